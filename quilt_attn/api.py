@@ -1,0 +1,160 @@
+"""Public entry point: ``sparse_prefill`` (checks inputs, sets defaults, dispatches)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._checks import (
+    canonical_indices,
+    canonical_kv,
+    check_attn_sink,
+    check_topk_length,
+    require_dtype,
+    require_ndim,
+    require_same_device,
+    require_tensor,
+)
+from .kv_cache import D_NOPE, D_QK, FP8_BYTES, is_fp8_cache
+from .planner import Plan, plan as make_plan
+from .reference import sparse_prefill_reference
+
+METHODS = ("quilt", "query_parallel", "reference")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _kernels_can_run(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_kernel_inputs(q: torch.Tensor, kv: torch.Tensor, d_v: int):
+    """Validate q / kv for the Triton kernels; returns kv in its canonical 2-D layout."""
+    s_q, h, d_qk = q.shape
+    if h < 1 or h > 128:
+        raise ValueError(f"q must have 1..128 heads, got h = {h}")
+    require_dtype("q", q, KERNEL_DTYPES)
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    if is_fp8_cache(kv):
+        if kv.dim() == 3:
+            if kv.shape[1] != 1:
+                raise ValueError(f"kv (FP8 cache) must be [s_kv, {FP8_BYTES}] or [s_kv, 1, {FP8_BYTES}], got {tuple(kv.shape)}")
+            kv = kv[:, 0]
+        if d_qk != D_QK or d_v != D_NOPE:
+            raise ValueError(f"the FP8 kv cache needs d_qk = {D_QK} and d_v = {D_NOPE}, got d_qk = {d_qk}, d_v = {d_v}")
+        kv = kv.contiguous()
+    else:
+        kv = canonical_kv(kv)
+        if kv.dtype == torch.uint8:
+            raise ValueError(f"a uint8 kv must be the FP8 cache [s_kv, {FP8_BYTES}], got {tuple(kv.shape)}")
+        if kv.dtype != q.dtype:
+            raise TypeError(f"kv must have q's dtype ({q.dtype}) or be the FP8 cache, got {kv.dtype}")
+        if kv.shape[1] != d_qk:
+            raise ValueError(f"kv has d_qk = {kv.shape[1]} but q has d_qk = {d_qk}")
+        if kv.stride(-1) != 1:
+            kv = kv.contiguous()
+    d_rope = d_qk - d_v
+    if not (_is_pow2(d_v) and d_v >= 16 and _is_pow2(d_rope) and d_rope >= 16):
+        raise ValueError(
+            f"the kernels need d_v and d_qk - d_v to be powers of two >= 16 (576 = 512 + 64 in production); "
+            f"got d_qk = {d_qk}, d_v = {d_v}")
+    return kv
+
+
+def sparse_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    method: str = "quilt",
+    plan: Plan | None = None,
+    group_size: int = 8,
+    tile: int = 64,
+    clip_threshold: float = 0.5,
+    importance_clip: bool = False,
+    merge_level: int | None = None,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    dv_split: int = 1,
+    num_warps: int = 8,
+    num_stages: int = 2,
+):
+    """Top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
+
+    Parameters
+    ----------
+    q : ``[s_q, h, d_qk]`` bf16 / fp16, any ``h`` in 1..128.
+    kv : ``[s_kv, d_qk]`` (or ``[s_kv, 1, d_qk]``) of q's dtype, or the FP8 cache ``uint8 [s_kv, 656]``.
+    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``); -1 or ``>= s_kv`` entries are ignored.
+    sm_scale : softmax scale, default ``d_qk ** -0.5``.
+    method : ``"quilt"`` (shared-query execution), ``"query_parallel"`` or ``"reference"`` (float64).
+    plan : a ``Plan`` from ``quilt_attn.plan`` built from these ``indices`` (reuse it across layers);
+        built here when None.
+    group_size, tile, clip_threshold, importance_clip : planner settings (see ``quilt_attn.plan``).
+    merge_level : where the cascade stops; default: the queries one program holds (``64 // h``),
+        so that every tile fills a 64-row matrix product.
+    d_v : value width (first ``d_v`` columns of kv).
+    attn_sink : optional float32 ``[h]``. topk_length : optional int32 ``[s_q]``.
+    dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs).
+
+    Returns
+    -------
+    out ``[s_q, h, d_v]`` (q's dtype), max_logits ``[s_q, h]`` float32, lse ``[s_q, h]`` float32 (base 2).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    require_tensor("q", q)
+    require_ndim("q", q, (3,), "[s_q, h, d_qk]")
+    require_tensor("kv", kv)
+    require_same_device("kv", kv, "q", q)
+    s_q, h, d_qk = q.shape
+    indices = canonical_indices(indices, s_q)
+    require_same_device("indices", indices, "q", q)
+    topk_length = check_topk_length(topk_length, s_q, q.device)
+    attn_sink = check_attn_sink(attn_sink, h, q.device)
+    if not isinstance(d_v, int) or not 0 < d_v <= d_qk:
+        raise ValueError(f"d_v must be an int in [1, d_qk = {d_qk}], got {d_v!r}")
+    if sm_scale is None:
+        sm_scale = d_qk**-0.5
+    if method == "reference":
+        out, max_logits, lse = sparse_prefill_reference(q, kv, indices, sm_scale, d_v=d_v, attn_sink=attn_sink,
+                                                        topk_length=topk_length)
+        return out.to(q.dtype) if q.dtype in KERNEL_DTYPES else out, max_logits, lse
+
+    kv = _check_kernel_inputs(q, kv, d_v)
+    if not _kernels_can_run(q.device):
+        raise ValueError(f"method={method!r} runs Triton kernels: q must be on a CUDA device "
+                         f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
+    if dv_split not in (1, 2, 4) or d_v % dv_split:
+        raise ValueError(f"dv_split must be 1, 2 or 4 and divide d_v, got {dv_split}")
+    from .ops.sparse_attention import launch_sparse_attention, program_shape
+
+    s_kv = kv.shape[0]
+    if method == "query_parallel":
+        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
+                                       attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps,
+                                       num_stages=num_stages)
+    if plan is None:
+        if merge_level is None:
+            merge_level = 1 if importance_clip else program_shape(h, group_size)[0]
+        plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, group_size=group_size, tile=tile,
+                         clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level)
+    else:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a quilt_attn.Plan, got {type(plan).__name__}")
+        if plan.s_q != s_q or plan.topk != indices.shape[1]:
+            raise ValueError(f"plan was built for s_q={plan.s_q}, topk={plan.topk}; got s_q={s_q}, topk={indices.shape[1]}")
+        if plan.s_kv is not None and plan.s_kv != s_kv:
+            raise ValueError(f"plan was built for s_kv={plan.s_kv} but kv has s_kv={s_kv}")
+        if plan.device != q.device:
+            raise ValueError(f"plan is on {plan.device} but q is on {q.device}")
+    if plan.tile < 16 or not _is_pow2(plan.tile):
+        raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
+    return launch_sparse_attention(q, kv, sm_scale, d_v, plan=plan, attn_sink=attn_sink, dv_split=dv_split,
+                                   num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,172 @@
+"""GPU benchmark of the sparse-prefill kernels (``quilt-attn bench``).
+
+Inputs are built outside the timed region; times are the median of ``triton.testing.do_bench``
+over two rotating input sets (each larger than L2); every timed configuration is checked
+against the float32 reference on a sample of queries in the same run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+D_QK, D_V = 576, 512
+
+
+def useful_flops(s_q: int, topk: int, h: int, d_qk: int = D_QK, d_v: int = D_V) -> float:
+    """2 * s_q * topk * h * (d_qk + d_v): the matrix work of query-parallel attention."""
+    return 2.0 * s_q * topk * h * (d_qk + d_v)
+
+
+def environment() -> dict:
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+        if dirty:
+            commit += "+dirty"
+    except OSError:
+        commit = "unknown"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                         "cuda": torch.version.cuda, "python": platform.python_version()}}
+
+
+@dataclass
+class Case:
+    workload: str
+    h: int
+    kv: str = "bf16"  # or "fp8"
+    s_q: int = 16384
+    s_kv: int = 65536
+    topk: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class Inputs:
+    case: Case
+    indices: torch.Tensor
+    sets: list = field(default_factory=list)  # [(q, kv)] rotated between calls
+
+
+def make_inputs(case: Case, n_sets: int = 2, device="cuda") -> Inputs:
+    from .kv_cache import quantize_fp8
+    from .workloads import generate
+
+    indices = generate(case.workload, case.s_q, case.s_kv, case.topk, seed=case.seed, device=device)
+    g = torch.Generator(device=device).manual_seed(case.seed + 1)
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(case.s_q, case.h, D_QK, device=device, dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(case.s_kv, D_QK, device=device, dtype=torch.bfloat16, generator=g)
+        sets.append((q, quantize_fp8(kv) if case.kv == "fp8" else kv))
+    return Inputs(case, indices, sets)
+
+
+def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: int = 0, dropped=None) -> dict:
+    """Relative L2 error of ``out`` and max |d lse| against the float32 reference on sampled queries."""
+    from .reference import sparse_prefill_reference
+
+    q, kv = inputs.sets[set_index]
+    s_q = q.shape[0]
+    g = torch.Generator(device="cpu").manual_seed(123)
+    rows = torch.randperm(s_q, generator=g)[:n_check].to(q.device)
+    ro, rm, rl = sparse_prefill_reference(q[rows], kv, inputs.indices[rows], compute_dtype=torch.float32)
+    o = out[rows].float()
+    err = ((o - ro).norm() / ro.norm()).item()
+    fin = torch.isfinite(rl)
+    res = {"rel_err": err, "lse_err": (lse[rows] - rl)[fin].abs().max().item() if fin.any() else 0.0,
+           "nan": bool(torch.isnan(out[rows]).any().item())}
+    return res
+
+
+def time_ms(fn, warmup: int = 50, rep: int = 300) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, importance_clip=False,
+             clip_threshold=0.5, dv_split=1, num_warps=8, num_stages=2, check_rows=256) -> dict:
+    """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart)."""
+    from . import plan as make_plan
+    from .api import sparse_prefill
+    from .ops.sparse_attention import LAST_COMPILED, program_shape
+
+    c = inputs.case
+    kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
+    pl, plan_ms, kv_tiles = None, 0.0, None
+    if method == "quilt":
+        if merge_level is None:
+            merge_level = 1 if importance_clip else program_shape(c.h, group_size)[0]
+        pkw = dict(s_kv=c.s_kv, group_size=group_size, tile=64, clip_threshold=clip_threshold,
+                   importance_clip=importance_clip, merge_level=merge_level)
+        plan_ms = time_ms(lambda: make_plan(inputs.indices, **pkw), warmup=5, rep=50)
+        pl = make_plan(inputs.indices, **pkw)
+        qp = program_shape(c.h, group_size)[0]
+        _, ntiles = pl.work_list(qp)
+        kv_tiles = int(ntiles.sum()) * math.ceil(c.h / program_shape(c.h, group_size)[1])
+        kw["plan"] = pl
+    else:
+        kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
+    state = {"i": 0}
+
+    def fn():
+        q, kv = inputs.sets[state["i"] % len(inputs.sets)]
+        state["i"] += 1
+        return sparse_prefill(q, kv, inputs.indices, method=method, **kw)
+
+    q, kv = inputs.sets[0]
+    out, ml, lse = sparse_prefill(q, kv, inputs.indices, method=method, **kw)
+    torch.cuda.synchronize()
+    chk = check(inputs, out, ml, lse, n_check=check_rows)
+    k = LAST_COMPILED.get("kernel")
+    ms = time_ms(fn)
+    row = {
+        "method": method + ("+iclip" if importance_clip else ""), "workload": c.workload, "kv": c.kv, "h": c.h,
+        "s_q": c.s_q, "s_kv": c.s_kv, "topk": c.topk, "ms": ms,
+        "tflops": useful_flops(c.s_q, c.topk, c.h) / ms / 1e9, "rel_err": chk["rel_err"], "lse_err": chk["lse_err"],
+        "kv_tiles": kv_tiles, "plan_ms": plan_ms,
+        "config": {"group_size": group_size if method == "quilt" else 1, "merge_level": merge_level,
+                   "dv_split": dv_split, "num_warps": num_warps, "num_stages": num_stages,
+                   "clip_threshold": clip_threshold},
+        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+    }
+    if pl is not None:
+        st = pl.stats
+        row.update(rows_processed=st["rows_processed"], reduction=st["reduction"],
+                   tile_utilization=st["tile_utilization"], dropped_pairs=st["dropped_pairs"])
+    return row
+
+
+def format_rows(rows) -> str:
+    hdr = f"{'method':<16}{'workload':<15}{'kv':<5}{'h':>4}{'ms':>9}{'TFLOP/s':>9}{'tiles':>10}{'rel_err':>10}{'plan_ms':>9}  config"
+    lines = [hdr]
+    for r in rows:
+        cfg = r["config"]
+        lines.append(f"{r['method']:<16}{r['workload']:<15}{r['kv']:<5}{r['h']:>4}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
+                     f"{r['kv_tiles']:>10}{r['rel_err']:>10.2e}{r['plan_ms']:>9.3f}  "
+                     f"G={cfg['group_size']} m={cfg['merge_level']} w={cfg['num_warps']} s={cfg['num_stages']} "
+                     f"dvs={cfg['dv_split']} regs={r.get('regs')} spills={r.get('spills')}")
+    return "\n".join(lines)
+
+
+def save(rows, path: str, extra: dict | None = None) -> None:
+    doc = environment()
+    if extra:
+        doc.update(extra)
+    doc["rows"] = rows
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)

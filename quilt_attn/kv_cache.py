@@ -1,0 +1,80 @@
+"""KV-cache formats.
+
+Two layouts of the MLA latent cache (one row a token, shared by all heads):
+
+* dense: ``kv [s_kv, d_qk]`` in bf16 / fp16 (d_qk = 576 = 512 latent + 64 rope);
+* FP8 (DeepSeek-V3.2 layout): ``uint8 [s_kv, 656]`` a token =
+  512 ``float8_e4m3fn`` latent values | 4 float32 scales (one per 128 values) | 64 bf16 rope values.
+
+Scales are powers of two (``2**ceil(log2(amax / 448))``), so dequantization is an exact
+multiply and the only error is the e4m3 rounding of the latent values (relative error
+<= 2**-4 per element, see ``FP8_REL_ERR``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._checks import require_dtype, require_ndim, require_tensor
+
+D_NOPE = 512
+D_ROPE = 64
+D_QK = D_NOPE + D_ROPE
+FP8_GROUP = 128
+FP8_NUM_SCALES = D_NOPE // FP8_GROUP  # 4
+FP8_BYTES = D_NOPE + 4 * FP8_NUM_SCALES + 2 * D_ROPE  # 656
+FP8_E4M3_MAX = 448.0
+# e4m3 keeps 3 mantissa bits: round-to-nearest error <= 2**-4 of the value (normal range).
+FP8_REL_ERR = 2.0**-4
+
+
+def is_fp8_cache(kv: torch.Tensor) -> bool:
+    """True when ``kv`` is the 656-byte FP8 cache (``uint8 [s_kv, 656]`` or ``[s_kv, 1, 656]``)."""
+    return kv.dtype == torch.uint8 and kv.shape[-1] == FP8_BYTES
+
+
+def quantize_fp8(kv: torch.Tensor) -> torch.Tensor:
+    """Quantize a dense cache to the DeepSeek-V3.2 FP8 layout.
+
+    Parameters
+    ----------
+    kv : Tensor ``[s_kv, 576]`` (or ``[s_kv, 1, 576]``), bf16 / fp16 / fp32.
+
+    Returns
+    -------
+    Tensor ``uint8 [s_kv, 656]``.
+    """
+    require_tensor("kv", kv)
+    if kv.dim() == 3 and kv.shape[1] == 1:
+        kv = kv[:, 0]
+    require_ndim("kv", kv, (2,), "[s_kv, 576]")
+    require_dtype("kv", kv, (torch.bfloat16, torch.float16, torch.float32))
+    if kv.shape[1] != D_QK:
+        raise ValueError(f"kv must have d_qk = {D_QK} for the FP8 cache, got {kv.shape[1]}")
+    s_kv = kv.shape[0]
+    out = torch.empty(s_kv, FP8_BYTES, dtype=torch.uint8, device=kv.device)
+    nope = kv[:, :D_NOPE].float().view(s_kv, FP8_NUM_SCALES, FP8_GROUP)
+    amax = nope.abs().amax(dim=-1).clamp_min(1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))  # [s_kv, 4], power of two
+    q = (nope / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    out[:, :D_NOPE] = q.view(s_kv, D_NOPE).view(torch.uint8)
+    out[:, D_NOPE : D_NOPE + 16] = scale.to(torch.float32).contiguous().view(torch.uint8)
+    out[:, D_NOPE + 16 :] = kv[:, D_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return out
+
+
+def dequantize_fp8(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Expand the FP8 cache back to a dense ``[s_kv, 576]`` tensor of ``dtype``."""
+    require_tensor("cache", cache)
+    if cache.dim() == 3 and cache.shape[1] == 1:
+        cache = cache[:, 0]
+    if not is_fp8_cache(cache) or cache.dim() != 2:
+        raise ValueError(f"cache must be uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} {tuple(cache.shape)}")
+    s_kv = cache.shape[0]
+    cache = cache.contiguous()
+    q = cache[:, :D_NOPE].contiguous().view(torch.float8_e4m3fn).float().view(s_kv, FP8_NUM_SCALES, FP8_GROUP)
+    scale = cache[:, D_NOPE : D_NOPE + 16].contiguous().view(torch.float32)
+    rope = cache[:, D_NOPE + 16 :].contiguous().view(torch.bfloat16)
+    out = torch.empty(s_kv, D_QK, dtype=dtype, device=cache.device)
+    out[:, :D_NOPE] = (q * scale[..., None]).view(s_kv, D_NOPE).to(dtype)
+    out[:, D_NOPE:] = rope.to(dtype)
+    return out

@@ -1,0 +1,218 @@
+"""Triton kernels for top-K sparse-attention prefill: query-parallel and QUILT.
+
+One kernel body serves both methods. A program owns ``M = QP * HB`` matrix rows
+(``QP`` queries x ``HB`` heads) and streams kv tiles of ``BT`` gathered rows:
+
+* query-parallel (``FROM_PLAN=False``): ``QP = 1``; tiles are consecutive slices of the
+  query's own Top-K list;
+* QUILT (``FROM_PLAN=True``): ``QP`` neighbouring queries of a plan group; tiles come from
+  the plan's work list and every tile column carries the member bits of the queries that own
+  its row, so one gathered (and dequantized) tile serves all of its owners in one matrix product.
+
+Each row keeps an online-softmax state (base 2) across all the tiles of its query, whatever
+cascade level they come from, so no partial states are written.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_ROW_BYTES = 656
+LAST_COMPILED: dict = {}
+
+
+@triton.jit
+def _load_kv_tile(kv_ptr, kv_f32_ptr, kv_b16_ptr, stride_kv, rows, offs_v, offs_r,
+                  FP8: tl.constexpr, BT: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """Gather ``BT`` kv rows: latent part ``[BT, DV]`` and rope part ``[BT, DR]``, in DTYPE."""
+    if FP8:
+        # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128) | 64 bf16 rope.
+        raw = tl.load(kv_ptr + rows[:, None] * 656 + offs_v[None, :])
+        sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + tl.arange(0, 4)[None, :])
+        val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        kn = tl.reshape(tl.reshape(val, [BT, 4, 128]) * sc[:, :, None], [BT, DV]).to(DTYPE)
+        kr = tl.load(kv_b16_ptr + rows[:, None] * 328 + 264 + offs_r[None, :]).to(DTYPE)
+    else:
+        kn = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_v[None, :])
+        kr = tl.load(kv_ptr + rows[:, None] * stride_kv + DV + offs_r[None, :])
+    return kn, kr
+
+
+@triton.jit
+def _load_v_slice(kv_ptr, kv_f32_ptr, stride_kv, rows, offs_o, FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """Value columns ``offs_o`` of the gathered rows (used when d_v is split across programs)."""
+    if FP8:
+        raw = tl.load(kv_ptr + rows[:, None] * 656 + offs_o[None, :])
+        sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + (offs_o // 128)[None, :])
+        v = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DTYPE)
+    else:
+        v = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_o[None, :])
+    return v
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr,
+    idx_ptr, len_ptr,  # query-parallel: indices [s_q, topk], optional topk_length [s_q]
+    tile_kv_ptr, tile_mask_ptr, prog_tiles_ptr, prog_ntiles_ptr,  # QUILT plan
+    sink_ptr, out_ptr, maxl_ptr, lse_ptr,
+    s_q, s_kv, h, topk, prog_cap,
+    stride_qs, stride_qh, stride_kv, stride_idx, stride_os, stride_oh,
+    sm_scale2,
+    FROM_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, FP8: tl.constexpr,
+    G: tl.constexpr, QP: tl.constexpr, HB: tl.constexpr, BT: tl.constexpr,
+    DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr,
+):
+    M: tl.constexpr = QP * HB
+    pid = tl.program_id(0)
+    hb = tl.program_id(1)
+    vs = tl.program_id(2)  # which DVS-wide slice of the value columns this program accumulates
+    NSUB: tl.constexpr = G // QP
+    g = pid // NSUB
+    sub = pid % NSUB
+    q0 = g * G + sub * QP
+
+    r = tl.arange(0, M)
+    qi = r // HB
+    head = hb * HB + (r % HB)
+    row_ok = (q0 + qi < s_q) & (head < h)
+    qrow = tl.where(row_ok, q0 + qi, 0)
+    hrow = tl.where(row_ok, head, 0)
+    member_bit = sub * QP + qi
+
+    offs_v = tl.arange(0, DV)
+    offs_r = tl.arange(0, DR)
+    offs_o = vs * DVS + tl.arange(0, DVS)
+    q_base = q_ptr + qrow[:, None] * stride_qs + hrow[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_v[None, :])
+    q_rope = tl.load(q_base + DV + offs_r[None, :])
+    DTYPE = q_nope.dtype
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, DVS], tl.float32)
+    cols = tl.arange(0, BT)
+
+    if FROM_PLAN:
+        n_iter = tl.load(prog_ntiles_ptr + pid)
+    else:
+        if HAS_LEN:
+            n_valid = tl.minimum(tl.load(len_ptr + q0), topk)
+        else:
+            n_valid = topk
+        n_iter = tl.cdiv(n_valid, BT)
+
+    for it in range(0, n_iter):
+        if FROM_PLAN:
+            t = tl.load(prog_tiles_ptr + pid * prog_cap + it).to(tl.int64)
+            kidx = tl.load(tile_kv_ptr + t * BT + cols)
+            cmask = tl.load(tile_mask_ptr + t * BT + cols)
+            col_ok = kidx >= 0
+            own = (((cmask[None, :] >> member_bit[:, None]) & 1) != 0) & col_ok[None, :]
+        else:
+            pos = it * BT + cols
+            kidx = tl.load(idx_ptr + q0.to(tl.int64) * stride_idx + pos, mask=pos < n_valid, other=-1)
+            col_ok = (kidx >= 0) & (kidx < s_kv)
+            own = col_ok[None, :] & (qi[:, None] >= 0)
+        rows = tl.where(col_ok, kidx, 0).to(tl.int64)
+        kn, kr = _load_kv_tile(kv_ptr, kv_f32_ptr, kv_b16_ptr, stride_kv, rows, offs_v, offs_r,
+                               FP8, BT, DV, DR, DTYPE)
+        s = tl.dot(q_nope, tl.trans(kn))
+        s = tl.dot(q_rope, tl.trans(kr), s)
+        s = tl.where(own, s * sm_scale2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DVS == DV:
+            v = kn
+        else:
+            v = _load_v_slice(kv_ptr, kv_f32_ptr, stride_kv, rows, offs_o, FP8, DTYPE)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DTYPE), v, acc)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
+    o = acc / l_safe[:, None]
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + hrow)
+        # exp(lse_e) / (exp(lse_e) + exp(sink)), lse_e = lse * ln 2; an empty row stays 0
+        fac = 1.0 / (1.0 + tl.exp(sink - lse * 0.6931471805599453))
+        o = o * tl.where(empty, 0.0, fac)[:, None]
+    o = tl.where(empty[:, None], 0.0, o)
+    out_base = out_ptr + qrow[:, None].to(tl.int64) * stride_os + hrow[:, None] * stride_oh
+    tl.store(out_base + offs_o[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if vs == 0:
+        tl.store(maxl_ptr + qrow * h + hrow, m_i, mask=row_ok)
+        tl.store(lse_ptr + qrow * h + hrow, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def program_shape(h: int, group_size: int) -> tuple[int, int]:
+    """``(QP, HB)``: queries and (padded) heads a program owns; ``QP * HB`` rows, 16..64."""
+    hb = min(_next_pow2(h), 64)
+    qp = min(group_size, max(1, 64 // hb))
+    if qp * hb < 16:  # a matrix product needs at least 16 rows
+        hb = 16 // qp
+    return qp, hb
+
+
+def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
+                            attn_sink=None, dv_split=1, num_warps=8, num_stages=2):
+    """Allocate outputs and launch the kernel; arguments are already checked.
+
+    ``q [s_q, h, d_qk]``; ``kv`` dense ``[s_kv, d_qk]`` of q's dtype or FP8 ``uint8 [s_kv, 656]``;
+    query-parallel when ``plan`` is None (then ``indices [s_q, topk]`` is read directly).
+    """
+    import torch
+
+    from ..reference import LOG2E
+
+    s_q, h, d_qk = q.shape
+    fp8 = kv.dtype == torch.uint8
+    s_kv = kv.shape[0]
+    G = plan.group_size if plan is not None else 1
+    QP, HB = program_shape(h, G)
+    out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    if s_q == 0:
+        return out, max_logits, lse
+    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+    kv_f32 = kv.view(torch.float32) if fp8 else kv
+    kv_b16 = kv.view(torch.bfloat16) if fp8 else kv
+    if plan is not None:
+        prog_tiles, prog_ntiles = plan.work_list(QP)
+        grid = (prog_tiles.shape[0], triton.cdiv(h, HB), dv_split)
+        tile_kv, tile_mask, prog_cap, bt = plan.tile_kv, plan.tile_mask, prog_tiles.shape[1], plan.tile
+        idx, topk = dummy, plan.topk
+    else:
+        prog_tiles = prog_ntiles = tile_kv = tile_mask = dummy
+        prog_cap, bt = 0, 64
+        grid = (s_q, triton.cdiv(h, HB), dv_split)
+        idx, topk = indices, indices.shape[1]
+    compiled = _sparse_attention_kernel[grid](
+        q, kv, kv_f32, kv_b16,
+        idx, topk_length if topk_length is not None else dummy,
+        tile_kv, tile_mask, prog_tiles, prog_ntiles,
+        attn_sink if attn_sink is not None else out, out, max_logits, lse,
+        s_q, s_kv, h, topk, prog_cap,
+        q.stride(0), q.stride(1), 0 if fp8 else kv.stride(0), idx.stride(0) if plan is None else 0,
+        out.stride(0), out.stride(1),
+        float(sm_scale) * LOG2E,
+        FROM_PLAN=plan is not None, HAS_LEN=topk_length is not None and plan is None,
+        HAS_SINK=attn_sink is not None, FP8=fp8,
+        G=G, QP=QP, HB=HB, BT=bt, DV=d_v, DR=d_qk - d_v, DVS=d_v // dv_split,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    LAST_COMPILED["kernel"] = compiled  # registers / spills, for benchmarks
+    return out, max_logits, lse

@@ -1,0 +1,343 @@
+"""Stage 2 of planning: cascade levels, tile-aware clipping, and the tile work list.
+
+Each aligned group of ``G`` queries is decomposed into *segments*: a segment of level ``L``
+belongs to an aligned block of ``L`` members and holds the kv rows that every member of the
+block selected and that no larger block took (cascaded sharing, paper section 3.3). Segments
+are cut into tiles of ``tile`` kv rows (tile-aware clipping, section 3.4).
+
+Order inside a segment: the importance order of the block's first member (its *representative*).
+Tile-aware clipping pushes down the representative's lowest-ranked shared rows; the other members
+learn which rows moved through a per-group table indexed by kv row (one flag bit a block), so no
+list is ever sorted. Importance-aware clipping drops each query's lowest-ranked private rows.
+
+Two implementations give identical plans: a fused Triton kernel (``planner/triton_plan.py``,
+the GPU path, one program a group) and vectorised torch (this file; CPU path and test oracle).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .._checks import canonical_indices, check_topk_length
+from .membership import METHODS, cascade_levels, check_group_size, member_masks
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class Plan:
+    """A QUILT execution plan: a flat, tile-granular work list per group of queries.
+
+    Tensors live on the device of the indices. ``n_groups = ceil(s_q / group_size)`` and
+    ``cap`` is a per-group tile capacity large enough for any input.
+
+    Attributes
+    ----------
+    tile_kv : int32 ``[n_groups, cap, tile]``
+        kv row of each tile slot; -1 marks a padding slot (masked, never computed as a row).
+    tile_mask : int32 ``[n_groups, cap, tile]``
+        member bits (bit k = query ``g * group_size + k``) that own each slot's row; 0 for padding.
+    tile_level : int32 ``[n_groups, cap]``
+        level (block size) of the segment a tile belongs to; 0 for a merged tile, -1 unused.
+    tile_members : int32 ``[n_groups, cap]``
+        the block whose members may own the tile's rows (bits), 0 unused.
+    group_tiles : int32 ``[n_groups]``
+        tiles used by each group (slots ``0 .. group_tiles[g] - 1``).
+    group_rows : int32 ``[n_groups]``
+        logical (segment, row) entries of each group, each shared row counted once.
+    dropped : int32 ``[s_q]``
+        (query, row) pairs removed by importance-aware clipping, per query.
+    valid_pairs : int64 scalar tensor, valid (query, row) pairs of the input.
+    """
+
+    s_q: int
+    topk: int
+    s_kv: int | None
+    group_size: int
+    tile: int
+    clip_threshold: float
+    importance_clip: bool
+    merge_level: int
+    method: str
+    tile_kv: torch.Tensor
+    tile_mask: torch.Tensor
+    tile_level: torch.Tensor
+    tile_members: torch.Tensor
+    group_tiles: torch.Tensor
+    group_rows: torch.Tensor
+    dropped: torch.Tensor
+    valid_pairs: torch.Tensor
+    _stats: dict | None = field(default=None, repr=False)
+    _work: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tile_kv.device
+
+    @property
+    def n_groups(self) -> int:
+        return self.tile_kv.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.tile_kv.shape[1]
+
+    @property
+    def stats(self) -> dict:
+        """Plan statistics (computed once; reading them syncs with the device)."""
+        if self._stats is None:
+            tiles = int(self.group_tiles.sum())
+            rows = int(self.group_rows.sum())
+            valid = int(self.valid_pairs)
+            levels = torch.bincount((self.tile_level + 1).view(-1).long(), minlength=self.group_size + 2).tolist()
+            per_level = {("merged" if lv == 0 else lv): levels[lv + 1]
+                         for lv in [*(self.group_size >> i for i in range(int(math.log2(self.group_size)) + 1)), 0]
+                         if levels[lv + 1]}
+            self._stats = {
+                "valid_pairs": valid,
+                "rows_processed": rows,
+                "padded_slots": tiles * self.tile - rows,
+                "tiles": tiles,
+                "tiles_per_level": per_level,
+                "tile_utilization": rows / max(1, tiles * self.tile),
+                "reduction": 1.0 - rows / max(1, valid),
+                "dropped_pairs": int(self.dropped.sum()),
+            }
+        return self._stats
+
+    def summary(self) -> str:
+        s = self.stats
+        return "\n".join([
+            f"QUILT plan: s_q={self.s_q} topk={self.topk} group_size={self.group_size} tile={self.tile} "
+            f"clip_threshold={self.clip_threshold} importance_clip={self.importance_clip} "
+            f"merge_level={self.merge_level} method={self.method}",
+            f"  valid (query, row) pairs : {s['valid_pairs']}",
+            f"  rows processed (logical) : {s['rows_processed']}  (reduction {s['reduction']:.1%})",
+            f"  tiles                    : {s['tiles']}  per level {s['tiles_per_level']}",
+            f"  padded slots             : {s['padded_slots']}  (tile utilization {s['tile_utilization']:.1%})",
+            f"  dropped pairs            : {s['dropped_pairs']}",
+        ])
+
+    def work_list(self, queries_per_program: int):
+        """Per-program tile lists for a kernel whose program owns ``queries_per_program`` queries.
+
+        Returns ``(prog_tiles int32 [n_progs, cap], prog_ntiles int32 [n_progs])``; a tile id is
+        ``g * cap + slot``. With fewer queries a program than the group has, a program runs every
+        tile of its group whose block meets its queries (shared rows are then re-read by the
+        sibling programs, from L2). Cached per width; no host sync.
+        """
+        qp = min(queries_per_program, self.group_size)
+        if qp < 1 or qp & (qp - 1):
+            raise ValueError(f"queries_per_program must be a power of two >= 1, got {queries_per_program}")
+        if qp not in self._work:
+            n_sub, cap, dev = self.group_size // qp, self.capacity, self.device
+            if n_sub == 1:
+                ids = torch.arange(self.n_groups * cap, device=dev, dtype=torch.int32).view(self.n_groups, cap)
+                self._work[qp] = (ids, self.group_tiles)
+            else:
+                sub_bits = ((1 << qp) - 1) << (torch.arange(n_sub, device=dev, dtype=torch.int32) * qp)
+                inc = (self.tile_members[:, None, :] & sub_bits[None, :, None]) != 0
+                inc = inc.reshape(-1, cap)
+                dest = torch.where(inc, torch.cumsum(inc, dim=1, dtype=torch.int32) - 1, cap)
+                ids = (torch.arange(self.n_groups, device=dev, dtype=torch.int32).repeat_interleave(n_sub)[:, None] * cap
+                       + torch.arange(cap, device=dev, dtype=torch.int32)[None, :])
+                out = torch.zeros(ids.shape[0], cap + 1, dtype=torch.int32, device=dev)
+                out.scatter_(1, dest.long(), ids)  # excluded tiles land in the cut-off last column
+                self._work[qp] = (out[:, :cap].contiguous(), inc.sum(1, dtype=torch.int32))
+        return self._work[qp]
+
+
+def levels_desc(G: int, lowest: int) -> list[int]:
+    """``[G, G/2, ..., lowest]``."""
+    out, L = [], G
+    while L >= max(lowest, 1):
+        out.append(L)
+        L //= 2
+    return out
+
+
+def flag_bit(G: int, L: int, block: int) -> int:
+    """Table bit that marks a row pushed down out of block ``block`` of level ``L`` (bits 16..30)."""
+    return 16 + (G // L - 1) + block
+
+
+def segment_count(G: int, M: int) -> int:
+    """Segments a group: every block of levels G..M, plus one merged segment a block of M when M > 1."""
+    return sum(G // L for L in levels_desc(G, M)) + (G // M if M > 1 else 0)
+
+
+def tile_capacity(G: int, M: int, topk: int, T: int) -> int:
+    return -(-G * topk // T) + segment_count(G, M)
+
+
+def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip):
+    """Vectorised torch planner over padded rows ``idx [n_groups * G, topk]`` (rank order)."""
+    rows, topk = idx.shape
+    n_groups, dev = rows // G, idx.device
+    member = (torch.arange(rows, device=dev) % G)[:, None]
+    gid = (torch.arange(rows, device=dev) // G)[:, None].expand(rows, topk)
+    level = cascade_levels(masks, G)
+    s_tab = int(idx.max().item()) + 1 if valid.any() else 1
+    slot_of = (gid * s_tab + torch.where(valid, idx, 0)).long()
+
+    for L in levels_desc(G, max(M, 2)):  # tile-aware clipping, top level first
+        sel = level == L
+        n = sel.sum(1, keepdim=True)
+        pos = torch.cumsum(sel, 1) - 1
+        r = n % T
+        rep = member % L == 0
+        pushed = sel & rep & (r > 0) & (r < thr) & (pos >= n - r)
+        table = torch.zeros(n_groups * s_tab, dtype=torch.int64, device=dev)
+        table.scatter_add_(0, slot_of[pushed], (1 << (member // L)).expand(rows, topk)[pushed])
+        moved = sel & (((table[slot_of] >> (member // L)) & 1) == 1)
+        level = torch.where(moved, L // 2, level)
+
+    dropped = torch.zeros(rows, dtype=torch.int32, device=dev)
+    if importance_clip:  # private rows are in importance order: drop the last r
+        sel = level == 1
+        n = sel.sum(1, keepdim=True)
+        r = n % T
+        drop = sel & (r > 0) & (r < thr) & (torch.cumsum(sel, 1) - 1 >= n - r)
+        level = torch.where(drop, 0, level)
+        dropped = drop.sum(1, dtype=torch.int32)
+
+    nseg = segment_count(G, M)
+    sid = torch.full_like(level, -1)
+    spos = torch.zeros_like(level)
+    colmask = torch.zeros_like(masks)
+    base = 0
+    for L in levels_desc(G, M):
+        sel = level == L
+        rep = sel & (member % L == 0)
+        sid = torch.where(rep, base + member // L, sid)
+        spos = torch.where(rep, (torch.cumsum(sel, 1) - 1).to(spos.dtype), spos)
+        colmask = torch.where(rep, ((1 << L) - 1) << ((member // L) * L), colmask)
+        base += G // L
+    if M > 1:
+        sel = (level > 0) & (level < M)
+        blk = member // M
+        mb = (masks >> (blk * M)) & ((1 << M) - 1)
+        rep = sel & ((mb & -mb) == (1 << (member % M)))  # the block's lowest owner holds the column
+        cnt = rep.sum(1).view(n_groups, G // M, M)
+        start = (torch.cumsum(cnt, 2) - cnt).view(rows, 1)
+        sid = torch.where(rep, base + blk, sid)
+        spos = torch.where(rep, (start + torch.cumsum(rep, 1) - 1).to(spos.dtype), spos)
+        colmask = torch.where(rep, mb << (blk * M), colmask)
+
+    is_rep = sid >= 0
+    seg_rows = torch.zeros(n_groups * nseg, dtype=torch.int64, device=dev)
+    seg_rows.scatter_add_(0, (gid * nseg + sid.clamp_min(0))[is_rep], torch.ones_like(sid, dtype=torch.int64)[is_rep])
+    seg_rows = seg_rows.view(n_groups, nseg)
+    seg_tiles = (seg_rows + T - 1) // T
+    seg_off = torch.cumsum(seg_tiles, 1) - seg_tiles
+    cap = tile_capacity(G, M, topk, T)
+    slot = torch.gather(seg_off, 1, sid.clamp_min(0).view(n_groups, -1).long()).view(rows, topk) + spos // T
+    flat = ((gid * cap + slot) * T + spos % T)[is_rep]
+    tile_kv = torch.full((n_groups * cap * T,), -1, dtype=torch.int32, device=dev)
+    tile_mask = torch.zeros(n_groups * cap * T, dtype=torch.int32, device=dev)
+    tile_kv[flat] = idx[is_rep]
+    tile_mask[flat] = colmask[is_rep].to(torch.int32)
+
+    seg_level, seg_bits = [], []
+    for L in levels_desc(G, M):
+        seg_level += [L] * (G // L)
+        seg_bits += [((1 << L) - 1) << (b * L) for b in range(G // L)]
+    if M > 1:
+        seg_level += [0] * (G // M)
+        seg_bits += [((1 << M) - 1) << (b * M) for b in range(G // M)]
+    seg_of_tile = torch.repeat_interleave(torch.arange(nseg, device=dev).repeat(n_groups), seg_tiles.view(-1))
+    used = torch.arange(cap, device=dev)[None, :] < seg_tiles.sum(1, keepdim=True)
+    tile_level = torch.full((n_groups, cap), -1, dtype=torch.int32, device=dev)
+    tile_members = torch.zeros(n_groups, cap, dtype=torch.int32, device=dev)
+    tile_level[used] = torch.tensor(seg_level, dtype=torch.int32, device=dev)[seg_of_tile]
+    tile_members[used] = torch.tensor(seg_bits, dtype=torch.int32, device=dev)[seg_of_tile]
+    return dict(tile_kv=tile_kv.view(n_groups, cap, T), tile_mask=tile_mask.view(n_groups, cap, T),
+                tile_level=tile_level, tile_members=tile_members,
+                group_tiles=seg_tiles.sum(1).to(torch.int32), group_rows=seg_rows.sum(1).to(torch.int32),
+                dropped=dropped)
+
+
+def _use_triton(device: torch.device, backend: str) -> bool:
+    if backend == "torch":
+        return False
+    can = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" and not can:
+        raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+    return can if backend == "triton" else device.type == "cuda"
+
+
+def plan(
+    indices: torch.Tensor,
+    *,
+    s_kv: int | None = None,
+    topk_length: torch.Tensor | None = None,
+    group_size: int = 8,
+    tile: int = 64,
+    clip_threshold: float = 0.5,
+    importance_clip: bool = False,
+    merge_level: int = 1,
+    method: str = "bitmap",
+    backend: str = "auto",
+) -> Plan:
+    """Decompose the Top-K lists of aligned query groups into shared segments and tiles.
+
+    Parameters
+    ----------
+    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``), rows in descending importance.
+    s_kv : context length; entries ``>= s_kv`` or ``< 0`` are ignored (``None``: only negatives).
+    topk_length : optional int32 ``[s_q]``; row i keeps its first ``topk_length[i]`` entries.
+    group_size : queries a group, power of two in [1, 16] (1 = query-parallel).
+    tile : kv rows a tile.
+    clip_threshold : tile-aware clipping threshold tau in [0, 1]. A segment of ``q*tile + r`` rows
+        with ``0 < r < tau * tile`` pushes its ``r`` lowest-ranked rows down a level (exact);
+        otherwise the tail is padded.
+    importance_clip : at the private level, drop each query's ``r`` lowest-ranked private rows when
+        they would fill a last tile below the threshold (approximate; counted in ``Plan.dropped``).
+        Needs ``merge_level=1``.
+    merge_level : the cascade stops at blocks of this many members (power of two <= group_size);
+        what smaller sub-blocks share, and private rows, are packed into member-masked tiles of the
+        block, one column a distinct row. 1 = the paper's full cascade.
+    method : member masks by ``"bitmap"`` (membership table) or ``"sort"`` (SCSD); same plan.
+    backend : ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"`` (Triton on CUDA).
+    """
+    indices = canonical_indices(indices)
+    G = check_group_size(group_size)
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise ValueError(f"tile must be a positive int, got {tile!r}")
+    if not 0.0 <= float(clip_threshold) <= 1.0:
+        raise ValueError(f"clip_threshold must be in [0, 1], got {clip_threshold}")
+    M = check_group_size(merge_level, G)
+    if importance_clip and M != 1:
+        raise ValueError("importance_clip needs merge_level=1 (it clips the private level)")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if s_kv is not None and (not isinstance(s_kv, int) or s_kv < 1):
+        raise ValueError(f"s_kv must be a positive int or None, got {s_kv!r}")
+    s_q, topk = indices.shape
+    dev = indices.device
+    topk_length = check_topk_length(topk_length, s_q, dev)
+    thr = float(clip_threshold) * tile
+
+    if _use_triton(dev, backend):
+        from .triton_plan import plan_triton
+
+        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method)
+    else:
+        masks, valid = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method=method)
+        pad = (-s_q) % G
+        idx = indices
+        if pad:
+            idx = torch.cat([idx, idx.new_full((pad, topk), -1)])
+            masks = torch.cat([masks, masks.new_zeros((pad, topk))])
+            valid = torch.cat([valid, valid.new_zeros((pad, topk))])
+        parts = _plan_torch(idx, valid, masks, G, M, tile, thr, importance_clip)
+        parts["dropped"] = parts["dropped"][:s_q]
+        valid_pairs = valid.sum()
+    return Plan(s_q=s_q, topk=topk, s_kv=s_kv, group_size=G, tile=tile, clip_threshold=float(clip_threshold),
+                importance_clip=bool(importance_clip), merge_level=M, method=method, valid_pairs=valid_pairs,
+                **parts)

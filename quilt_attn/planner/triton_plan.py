@@ -1,0 +1,231 @@
+"""Fused Triton planner: one program a query group, no sort, no host sync.
+
+A program walks its group's ``G`` lists a few times (each list is one ``[KP]`` vector):
+membership bits go into a per-program table indexed by kv row (``table[row] |= 1 << k``),
+every entry reads its row's member mask back, levels follow from the mask, tile-aware clipping
+marks pushed rows with one flag bit a block in the same table, and the tile lists are written
+with prefix sums. The table is cleared on the way out, so the workspace stays zero between calls.
+Same results as the torch planner in ``plan.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .membership import member_masks
+from .plan import levels_desc, segment_count, tile_capacity
+
+_WORKSPACE: dict = {}
+
+
+@triton.jit
+def _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN: tl.constexpr):
+    """Row ``q`` of the indices and its validity (in range, inside topk_length, q < s_q)."""
+    lim = topk
+    if HAS_LEN:
+        lim = tl.minimum(tl.load(len_ptr + tl.minimum(q, s_q - 1)), topk)
+    inb = (offs < lim) & (q < s_q)
+    idx = tl.load(idx_ptr + q * topk + offs, mask=inb, other=-1)
+    ok = inb & (idx >= 0) & (idx < s_kv)
+    return tl.where(ok, idx, 0), ok
+
+
+@triton.jit
+def _plan_kernel(
+    idx_ptr, len_ptr, masks_ptr, lvl_ptr, table_ptr,
+    tile_kv_ptr, tile_mask_ptr, tile_level_ptr, tile_members_ptr,
+    group_tiles_ptr, group_rows_ptr, dropped_ptr, valid_ptr,
+    s_q, s_kv, topk, n_groups, cap, thr,
+    G: tl.constexpr, M: tl.constexpr, T: tl.constexpr, KP: tl.constexpr, NTP: tl.constexpr,
+    HAS_LEN: tl.constexpr, MASKS_GIVEN: tl.constexpr, ICLIP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, KP)
+    tcol = tl.arange(0, T)
+    tnum = tl.arange(0, NTP)
+    tbl = table_ptr + pid.to(tl.int64) * s_kv
+    for g in range(pid, n_groups, nprog):
+        q0 = g * G
+        # 1. member masks: every member ORs its bit into the row's table slot
+        if not MASKS_GIVEN:
+            for k in tl.static_range(G):
+                idx, ok = _load_list(idx_ptr, len_ptr, q0 + k, s_q, s_kv, topk, offs, HAS_LEN)
+                old = tl.load(tbl + idx, mask=ok, other=0)
+                tl.store(tbl + idx, old | (1 << k), mask=ok)
+                tl.debug_barrier()
+        # 2. read masks back; cascade level = largest aligned all-selecting block holding the query
+        nvalid = 0
+        for k in tl.static_range(G):
+            q = q0 + k
+            idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
+            if MASKS_GIVEN:
+                m = tl.load(masks_ptr + q * topk + offs, mask=ok, other=0)
+            else:
+                m = tl.load(tbl + idx, mask=ok, other=0) & 0xFFFF
+                tl.store(masks_ptr + q * topk + offs, m, mask=offs < topk)
+            lv = tl.zeros([KP], tl.int32)
+            for e in tl.static_range(G.bit_length()):
+                L: tl.constexpr = G >> e
+                FULL: tl.constexpr = (1 << L) - 1
+                full = ((m >> ((k // L) * L)) & FULL) == FULL
+                lv = tl.where((lv == 0) & ok & full, L, lv)
+            tl.store(lvl_ptr + q * topk + offs, lv, mask=offs < topk)
+            nvalid += tl.sum(ok.to(tl.int32))
+        tl.store(valid_ptr + g, nvalid)
+        tl.debug_barrier()
+        # 3. tile-aware clipping, top level first: the representative's lowest-ranked tail moves down
+        for e in tl.static_range(G.bit_length()):
+            L: tl.constexpr = G >> e
+            if L >= 2 and L >= M:
+                for b in tl.static_range(G // L):
+                    FLAG: tl.constexpr = 1 << (16 + (G // L - 1) + b)
+                    rep = q0 + b * L
+                    idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
+                    lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
+                    sel = lv == L
+                    n = tl.sum(sel.to(tl.int32))
+                    r = n % T
+                    if (r > 0) & (r.to(tl.float32) < thr):
+                        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+                        pushed = sel & (pos >= n - r)
+                        old = tl.load(tbl + idx, mask=pushed, other=0)
+                        tl.store(tbl + idx, old | FLAG, mask=pushed)
+                        tl.debug_barrier()
+                        for j in tl.static_range(L):
+                            q = rep + j
+                            idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
+                            lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
+                            at = lv == L
+                            f = tl.load(tbl + idx, mask=at, other=0)
+                            lv = tl.where(at & ((f & FLAG) != 0), L // 2, lv)
+                            tl.store(lvl_ptr + q * topk + offs, lv, mask=offs < topk)
+                        tl.debug_barrier()
+        # 4. importance-aware clipping of private rows (rows are in importance order)
+        if ICLIP:
+            for k in tl.static_range(G):
+                q = q0 + k
+                lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
+                sel = lv == 1
+                n = tl.sum(sel.to(tl.int32))
+                r = n % T
+                clip = (r > 0) & (r.to(tl.float32) < thr)
+                drop = sel & clip & ((tl.cumsum(sel.to(tl.int32), 0) - 1) >= n - r)
+                tl.store(lvl_ptr + q * topk + offs, tl.where(drop, 0, lv), mask=offs < topk)
+                tl.store(dropped_ptr + q, tl.where(clip, r, 0), mask=q < s_q)
+        tl.debug_barrier()
+        # 5. segments, in order: blocks of level G .. M, then the merged block segments
+        off = 0
+        nrows = 0
+        tbase = g * cap
+        for e in tl.static_range(G.bit_length()):
+            L: tl.constexpr = G >> e
+            if L >= M:
+                for b in tl.static_range(G // L):
+                    BITS: tl.constexpr = ((1 << L) - 1) << (b * L)
+                    rep = q0 + b * L
+                    idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
+                    lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
+                    sel = lv == L
+                    n = tl.sum(sel.to(tl.int32))
+                    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+                    dst = (tbase + off + pos // T) * T + pos % T
+                    tl.store(tile_kv_ptr + dst, idx, mask=sel)
+                    tl.store(tile_mask_ptr + dst, tl.full([KP], BITS, tl.int32), mask=sel)
+                    nt = (n + T - 1) // T
+                    pp = n + tcol
+                    pm = pp < nt * T
+                    tl.store(tile_kv_ptr + (tbase + off + pp // T) * T + pp % T, tl.full([T], -1, tl.int32), mask=pm)
+                    tl.store(tile_mask_ptr + (tbase + off + pp // T) * T + pp % T, tl.zeros([T], tl.int32), mask=pm)
+                    tl.store(tile_level_ptr + tbase + off + tnum, tl.full([NTP], L, tl.int32), mask=tnum < nt)
+                    tl.store(tile_members_ptr + tbase + off + tnum, tl.full([NTP], BITS, tl.int32), mask=tnum < nt)
+                    off += nt
+                    nrows += n
+        if M > 1:
+            for b in tl.static_range(G // M):
+                BBITS: tl.constexpr = ((1 << M) - 1) << (b * M)
+                start = 0
+                for j in tl.static_range(M):
+                    q = q0 + b * M + j
+                    idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
+                    lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
+                    m = tl.load(masks_ptr + q * topk + offs, mask=offs < topk, other=0)
+                    mb = (m >> (b * M)) & ((1 << M) - 1)
+                    rep = (lv > 0) & (lv < M) & ((mb & (0 - mb)) == (1 << j))
+                    pos = start + tl.cumsum(rep.to(tl.int32), 0) - 1
+                    dst = (tbase + off + pos // T) * T + pos % T
+                    tl.store(tile_kv_ptr + dst, idx, mask=rep)
+                    tl.store(tile_mask_ptr + dst, mb << (b * M), mask=rep)
+                    start += tl.sum(rep.to(tl.int32))
+                nt = (start + T - 1) // T
+                pp = start + tcol
+                pm = pp < nt * T
+                tl.store(tile_kv_ptr + (tbase + off + pp // T) * T + pp % T, tl.full([T], -1, tl.int32), mask=pm)
+                tl.store(tile_mask_ptr + (tbase + off + pp // T) * T + pp % T, tl.zeros([T], tl.int32), mask=pm)
+                tl.store(tile_level_ptr + tbase + off + tnum, tl.zeros([NTP], tl.int32), mask=tnum < nt)
+                tl.store(tile_members_ptr + tbase + off + tnum, tl.full([NTP], BBITS, tl.int32), mask=tnum < nt)
+                off += nt
+                nrows += start
+        tl.store(group_tiles_ptr + g, off)
+        tl.store(group_rows_ptr + g, nrows)
+        # 6. leave the table zero for the next group
+        tl.debug_barrier()
+        for k in tl.static_range(G):
+            idx, ok = _load_list(idx_ptr, len_ptr, q0 + k, s_q, s_kv, topk, offs, HAS_LEN)
+            tl.store(tbl + idx, tl.zeros([KP], tl.int32), mask=ok)
+        tl.debug_barrier()
+
+
+def _workspace(device: torch.device, n_prog: int, s_kv: int) -> torch.Tensor:
+    """A zeroed ``[n_prog, s_kv]`` int32 table, kept per device (the kernel leaves it zero)."""
+    key = (device.type, device.index)
+    ws = _WORKSPACE.get(key)
+    if ws is None or ws.numel() < n_prog * s_kv:
+        ws = torch.zeros(n_prog * s_kv, dtype=torch.int32, device=device)
+        _WORKSPACE[key] = ws
+    return ws
+
+
+def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, method):
+    """Run the fused planner; returns the Plan's tensor fields and the valid-pair count."""
+    s_q, topk = indices.shape
+    dev = indices.device
+    if s_kv is None:  # only negatives are invalid: size the table by the largest row
+        s_kv = int(indices.max().item()) + 1 if indices.numel() else 1
+    n_groups = -(-s_q // G)
+    rows = n_groups * G
+    cap = tile_capacity(G, M, topk, T)
+    KP = triton.next_power_of_2(topk)
+    NTP = triton.next_power_of_2(-(-max(G * topk, 1) // T) + 1)
+    indices = indices.contiguous()
+    masks_given = method == "sort"
+    if masks_given:
+        masks, _ = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method="sort")
+        masks = torch.cat([masks, masks.new_zeros(rows - s_q, topk)]) if rows > s_q else masks.contiguous()
+    else:
+        masks = torch.empty(rows, topk, dtype=torch.int32, device=dev)
+    lvl = torch.empty(rows, topk, dtype=torch.int32, device=dev)
+    tile_kv = torch.full((n_groups, cap, T), -1, dtype=torch.int32, device=dev)
+    tile_mask = torch.zeros(n_groups, cap, T, dtype=torch.int32, device=dev)
+    tile_level = torch.full((n_groups, cap), -1, dtype=torch.int32, device=dev)
+    tile_members = torch.zeros(n_groups, cap, dtype=torch.int32, device=dev)
+    group_tiles = torch.empty(n_groups, dtype=torch.int32, device=dev)
+    group_rows = torch.empty(n_groups, dtype=torch.int32, device=dev)
+    group_valid = torch.empty(n_groups, dtype=torch.int32, device=dev)
+    dropped = torch.zeros(s_q, dtype=torch.int32, device=dev)
+    if dev.type == "cuda":
+        n_prog = min(n_groups, 4 * torch.cuda.get_device_properties(dev).multi_processor_count)
+    else:
+        n_prog = min(n_groups, 4)
+    table = _workspace(dev, n_prog, s_kv)
+    _plan_kernel[(n_prog,)](
+        indices, topk_length if topk_length is not None else indices, masks, lvl, table,
+        tile_kv, tile_mask, tile_level, tile_members, group_tiles, group_rows, dropped, group_valid,
+        s_q, s_kv, topk, n_groups, cap, float(thr),
+        G=G, M=M, T=T, KP=KP, NTP=NTP, HAS_LEN=topk_length is not None, MASKS_GIVEN=masks_given,
+        ICLIP=bool(importance_clip), num_warps=4,
+    )
+    parts = dict(tile_kv=tile_kv, tile_mask=tile_mask, tile_level=tile_level, tile_members=tile_members,
+                 group_tiles=group_tiles, group_rows=group_rows, dropped=dropped)
+    return parts, group_valid.sum(dtype=torch.int64)

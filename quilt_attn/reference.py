@@ -1,0 +1,136 @@
+"""Exact reference for top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
+
+Conventions (one canonical layout for the whole package)::
+
+    q        [s_q, h, d_qk]      query rows (d_qk = 576 = 512 latent + 64 rope in production)
+    kv       [s_kv, d_qk]        MLA latent cache, one row a token shared by all heads
+                                 (FlashMLA's [s_kv, 1, d_qk] accepted; or the FP8 cache uint8 [s_kv, 656])
+    indices  [s_q, topk] int32   selected kv rows a query (FlashMLA's [s_q, 1, topk] accepted);
+                                 -1 or >= s_kv means "no row" and is ignored
+    out      [s_q, h, d_v]       values are the first d_v columns of kv
+    max_logits, lse [s_q, h]     float32
+
+Logits are ``P = (q . kv) * sm_scale * log2(e)`` (base 2), ``max_logits = max P``,
+``lse = log2(sum 2**P)`` and ``out = sum 2**(P - lse) * kv[:, :d_v]``.
+A query row with no valid index gets ``out = 0``, ``max_logits = -inf`` and ``lse = +inf``.
+``attn_sink [h]`` (float32, natural-log units) multiplies ``out`` by
+``exp(lse_e) / (exp(lse_e) + exp(attn_sink))`` where ``lse_e = lse * ln 2``; it leaves ``lse``
+and ``max_logits`` unchanged (+inf zeros the output, -inf has no effect).
+``topk_length [s_q]`` keeps only the first ``topk_length[i]`` entries of row i.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import (
+    FLOAT_DTYPES,
+    canonical_indices,
+    canonical_kv,
+    check_attn_sink,
+    check_topk_length,
+    require_dtype,
+    require_ndim,
+    require_tensor,
+)
+from .kv_cache import dequantize_fp8, is_fp8_cache
+
+LOG2E = math.log2(math.e)
+
+
+def valid_index_mask(indices: torch.Tensor, s_kv: int, topk_length: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``[s_q, topk]``: entry selects a real kv row (in range and inside ``topk_length``)."""
+    valid = (indices >= 0) & (indices < s_kv)
+    if topk_length is not None:
+        pos = torch.arange(indices.shape[1], device=indices.device)
+        valid &= pos[None, :] < topk_length[:, None].to(indices.device)
+    return valid
+
+
+def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
+    """Scale ``out [s_q, h, d_v]`` by ``1 / (1 + exp(attn_sink - lse * ln2))`` (base-2 ``lse``)."""
+    factor = torch.sigmoid(lse.to(torch.float64) * math.log(2.0) - attn_sink.to(torch.float64)[None, :])
+    factor = torch.where(torch.isinf(lse), torch.zeros_like(factor), factor)  # empty rows stay 0
+    return out * factor[..., None].to(out.dtype)
+
+
+def sparse_prefill_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+    chunk: int = 256,
+):
+    """Sparse-attention prefill computed exactly in ``compute_dtype`` (float64 by default).
+
+    Parameters
+    ----------
+    q : ``[s_q, h, d_qk]`` float tensor.
+    kv : ``[s_kv, d_qk]`` (or ``[s_kv, 1, d_qk]``) float tensor, or the FP8 cache ``uint8 [s_kv, 656]``.
+    indices : ``[s_q, topk]`` (or ``[s_q, 1, topk]``) int32.
+    sm_scale : softmax scale; default ``d_qk ** -0.5``.
+    d_v : value width, the first ``d_v`` columns of kv.
+    attn_sink : optional ``[h]`` float32.
+    topk_length : optional ``[s_q]`` int32.
+    compute_dtype : float64 (exact) or float32 (faster, for large benchmark checks).
+    chunk : queries processed at a time (bounds memory).
+
+    Returns
+    -------
+    out ``[s_q, h, d_v]`` (compute_dtype), max_logits ``[s_q, h]`` and lse ``[s_q, h]`` (float32).
+    """
+    require_tensor("q", q)
+    require_ndim("q", q, (3,), "[s_q, h, d_qk]")
+    require_dtype("q", q, FLOAT_DTYPES)
+    require_tensor("kv", kv)
+    if is_fp8_cache(kv):
+        kv = dequantize_fp8(kv, torch.float32)
+    kv = canonical_kv(kv)
+    require_dtype("kv", kv, FLOAT_DTYPES)
+    s_q, h, d_qk = q.shape
+    if kv.shape[1] != d_qk:
+        raise ValueError(f"kv has d_qk = {kv.shape[1]} but q has d_qk = {d_qk}")
+    if not 0 < d_v <= d_qk:
+        raise ValueError(f"d_v must be in [1, d_qk = {d_qk}], got {d_v}")
+    indices = canonical_indices(indices, s_q)
+    topk_length = check_topk_length(topk_length, s_q, indices.device)
+    attn_sink = check_attn_sink(attn_sink, h, q.device)
+    if sm_scale is None:
+        sm_scale = d_qk**-0.5
+    s_kv = kv.shape[0]
+    dev = q.device
+    indices = indices.to(dev)
+    valid = valid_index_mask(indices, s_kv, topk_length)
+    kvc = kv.to(dev, compute_dtype)
+    scale2 = float(sm_scale) * LOG2E
+
+    out = torch.empty(s_q, h, d_v, dtype=compute_dtype, device=dev)
+    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=dev)
+    lse = torch.empty(s_q, h, dtype=torch.float32, device=dev)
+    for a in range(0, s_q, chunk):
+        b = min(s_q, a + chunk)
+        ok = valid[a:b]  # [c, topk]
+        rows = kvc[torch.where(ok, indices[a:b], 0).long()]  # [c, topk, d_qk]
+        p = torch.einsum("chd,ckd->chk", q[a:b].to(compute_dtype), rows) * scale2
+        p = p.masked_fill(~ok[:, None, :], float("-inf"))
+        m = p.amax(dim=-1)  # [c, h]
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        s = torch.exp2(p - m_safe[..., None]).sum(-1)
+        l2 = m_safe + torch.log2(s)  # -inf for empty rows
+        w = torch.exp2(p - torch.where(torch.isinf(l2), torch.zeros_like(l2), l2)[..., None])
+        o = torch.einsum("chk,ckd->chd", w, rows[..., :d_v])
+        empty = torch.isinf(l2)
+        o = o.masked_fill(empty[..., None], 0.0)
+        l2 = l2.masked_fill(empty, float("inf"))
+        if attn_sink is not None:
+            o = apply_attn_sink(o, l2, attn_sink.to(dev))
+        out[a:b] = o
+        max_logits[a:b] = m.float()
+        lse[a:b] = l2.float()
+    return out, max_logits, lse
