@@ -129,9 +129,9 @@ class Plan:
         tile of its group whose block meets its queries (shared rows are then re-read by the
         sibling programs, from L2). Cached per width; no host sync.
         """
-        qp = min(queries_per_program, self.group_size)
-        if qp < 1 or qp & (qp - 1):
+        if queries_per_program < 1 or queries_per_program & (queries_per_program - 1):
             raise ValueError(f"queries_per_program must be a power of two >= 1, got {queries_per_program}")
+        qp = min(queries_per_program, self.group_size)
         if qp not in self._work:
             n_sub, cap, dev = self.group_size // qp, self.capacity, self.device
             if n_sub == 1:
@@ -234,7 +234,7 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip):
     seg_tiles = (seg_rows + T - 1) // T
     seg_off = torch.cumsum(seg_tiles, 1) - seg_tiles
     cap = tile_capacity(G, M, topk, T)
-    slot = torch.gather(seg_off, 1, sid.clamp_min(0).view(n_groups, -1).long()).view(rows, topk) + spos // T
+    slot = torch.gather(seg_off, 1, sid.clamp_min(0).view(n_groups, G * topk).long()).view(rows, topk) + spos // T
     flat = ((gid * cap + slot) * T + spos % T)[is_rep]
     tile_kv = torch.full((n_groups * cap * T,), -1, dtype=torch.int32, device=dev)
     tile_mask = torch.zeros(n_groups * cap * T, dtype=torch.int32, device=dev)

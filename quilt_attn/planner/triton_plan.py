@@ -17,6 +17,7 @@ from .membership import member_masks
 from .plan import levels_desc, segment_count, tile_capacity
 
 _WORKSPACE: dict = {}
+PLAN_WARPS = 16  # measured on the H200: see benchmarks/NOTES.md
 
 
 @triton.jit
@@ -29,6 +30,71 @@ def _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN: tl.constexpr
     idx = tl.load(idx_ptr + q * topk + offs, mask=inb, other=-1)
     ok = inb & (idx >= 0) & (idx < s_kv)
     return tl.where(ok, idx, 0), ok
+
+
+@triton.jit
+def _push_level(idx_ptr, len_ptr, lvl_ptr, tbl, q0, s_q, s_kv, topk, thr, offs,
+                G: tl.constexpr, L: tl.constexpr, T: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Tile-aware clipping of the level-L blocks of one group (flags in the table, bits 16..30)."""
+    for b in tl.static_range(G // L):
+        FLAG = 1 << (16 + (G // L - 1) + b)
+        rep = q0 + b * L
+        idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
+        lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
+        sel = lv == L
+        n = tl.sum(sel.to(tl.int32))
+        r = n % T
+        if (r > 0) & (r.to(tl.float32) < thr):
+            pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+            pushed = sel & (pos >= n - r)
+            old = tl.load(tbl + idx, mask=pushed, other=0)
+            tl.store(tbl + idx, old | FLAG, mask=pushed)
+            tl.debug_barrier()
+            for j in tl.static_range(L):
+                q = rep + j
+                idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
+                lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
+                at = lv == L
+                f = tl.load(tbl + idx, mask=at, other=0)
+                lv = tl.where(at & ((f & FLAG) != 0), L // 2, lv)
+                tl.store(lvl_ptr + q * topk + offs, lv, mask=offs < topk)
+            tl.debug_barrier()
+
+
+@triton.jit
+def _write_level(idx_ptr, len_ptr, lvl_ptr, tile_kv_ptr, tile_mask_ptr, tile_level_ptr, tile_members_ptr,
+                 q0, s_q, s_kv, topk, tbase, off, nrows, offs, tcol, tnum,
+                 G: tl.constexpr, L: tl.constexpr, T: tl.constexpr, KP: tl.constexpr, NTP: tl.constexpr,
+                 HAS_LEN: tl.constexpr):
+    """Write the tiles of the level-L segments of one group; returns the next free slot and row count."""
+    for b in tl.static_range(G // L):
+        BITS = ((1 << L) - 1) << (b * L)
+        rep = q0 + b * L
+        idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
+        lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
+        sel = lv == L
+        n = tl.sum(sel.to(tl.int32))
+        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+        dst = (tbase + off + pos // T) * T + pos % T
+        tl.store(tile_kv_ptr + dst, idx, mask=sel)
+        tl.store(tile_mask_ptr + dst, tl.zeros([KP], tl.int32) + BITS, mask=sel)
+        off, nrows = _close_segment(tile_kv_ptr, tile_mask_ptr, tile_level_ptr, tile_members_ptr, tbase, off, nrows,
+                                    n, tcol, tnum, L, BITS, T, NTP)
+    return off, nrows
+
+
+@triton.jit
+def _close_segment(tile_kv_ptr, tile_mask_ptr, tile_level_ptr, tile_members_ptr, tbase, off, nrows, n, tcol, tnum,
+                   LEVEL, BITS, T: tl.constexpr, NTP: tl.constexpr):
+    """Pad a segment's last tile (kv -1, mask 0) and record its tiles' level and block."""
+    nt = (n + T - 1) // T
+    pp = n + tcol
+    pm = pp < nt * T
+    tl.store(tile_kv_ptr + (tbase + off + pp // T) * T + pp % T, tl.full([T], -1, tl.int32), mask=pm)
+    tl.store(tile_mask_ptr + (tbase + off + pp // T) * T + pp % T, tl.zeros([T], tl.int32), mask=pm)
+    tl.store(tile_level_ptr + tbase + off + tnum, tl.zeros([NTP], tl.int32) + LEVEL, mask=tnum < nt)
+    tl.store(tile_members_ptr + tbase + off + tnum, tl.zeros([NTP], tl.int32) + BITS, mask=tnum < nt)
+    return off + nt, nrows + n
 
 
 @triton.jit
@@ -66,42 +132,17 @@ def _plan_kernel(
                 m = tl.load(tbl + idx, mask=ok, other=0) & 0xFFFF
                 tl.store(masks_ptr + q * topk + offs, m, mask=offs < topk)
             lv = tl.zeros([KP], tl.int32)
-            for e in tl.static_range(G.bit_length()):
-                L: tl.constexpr = G >> e
-                FULL: tl.constexpr = (1 << L) - 1
-                full = ((m >> ((k // L) * L)) & FULL) == FULL
-                lv = tl.where((lv == 0) & ok & full, L, lv)
+            for e in tl.static_range(G.bit_length()):  # level G >> e
+                full = ((m >> ((k // (G >> e)) * (G >> e))) & ((1 << (G >> e)) - 1)) == ((1 << (G >> e)) - 1)
+                lv = tl.where((lv == 0) & ok & full, G >> e, lv)
             tl.store(lvl_ptr + q * topk + offs, lv, mask=offs < topk)
             nvalid += tl.sum(ok.to(tl.int32))
         tl.store(valid_ptr + g, nvalid)
         tl.debug_barrier()
         # 3. tile-aware clipping, top level first: the representative's lowest-ranked tail moves down
         for e in tl.static_range(G.bit_length()):
-            L: tl.constexpr = G >> e
-            if L >= 2 and L >= M:
-                for b in tl.static_range(G // L):
-                    FLAG: tl.constexpr = 1 << (16 + (G // L - 1) + b)
-                    rep = q0 + b * L
-                    idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
-                    lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
-                    sel = lv == L
-                    n = tl.sum(sel.to(tl.int32))
-                    r = n % T
-                    if (r > 0) & (r.to(tl.float32) < thr):
-                        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
-                        pushed = sel & (pos >= n - r)
-                        old = tl.load(tbl + idx, mask=pushed, other=0)
-                        tl.store(tbl + idx, old | FLAG, mask=pushed)
-                        tl.debug_barrier()
-                        for j in tl.static_range(L):
-                            q = rep + j
-                            idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
-                            lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
-                            at = lv == L
-                            f = tl.load(tbl + idx, mask=at, other=0)
-                            lv = tl.where(at & ((f & FLAG) != 0), L // 2, lv)
-                            tl.store(lvl_ptr + q * topk + offs, lv, mask=offs < topk)
-                        tl.debug_barrier()
+            if (G >> e) >= 2 and (G >> e) >= M:
+                _push_level(idx_ptr, len_ptr, lvl_ptr, tbl, q0, s_q, s_kv, topk, thr, offs, G, G >> e, T, HAS_LEN)
         # 4. importance-aware clipping of private rows (rows are in importance order)
         if ICLIP:
             for k in tl.static_range(G):
@@ -120,31 +161,13 @@ def _plan_kernel(
         nrows = 0
         tbase = g * cap
         for e in tl.static_range(G.bit_length()):
-            L: tl.constexpr = G >> e
-            if L >= M:
-                for b in tl.static_range(G // L):
-                    BITS: tl.constexpr = ((1 << L) - 1) << (b * L)
-                    rep = q0 + b * L
-                    idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
-                    lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
-                    sel = lv == L
-                    n = tl.sum(sel.to(tl.int32))
-                    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
-                    dst = (tbase + off + pos // T) * T + pos % T
-                    tl.store(tile_kv_ptr + dst, idx, mask=sel)
-                    tl.store(tile_mask_ptr + dst, tl.full([KP], BITS, tl.int32), mask=sel)
-                    nt = (n + T - 1) // T
-                    pp = n + tcol
-                    pm = pp < nt * T
-                    tl.store(tile_kv_ptr + (tbase + off + pp // T) * T + pp % T, tl.full([T], -1, tl.int32), mask=pm)
-                    tl.store(tile_mask_ptr + (tbase + off + pp // T) * T + pp % T, tl.zeros([T], tl.int32), mask=pm)
-                    tl.store(tile_level_ptr + tbase + off + tnum, tl.full([NTP], L, tl.int32), mask=tnum < nt)
-                    tl.store(tile_members_ptr + tbase + off + tnum, tl.full([NTP], BITS, tl.int32), mask=tnum < nt)
-                    off += nt
-                    nrows += n
+            if (G >> e) >= M:
+                off, nrows = _write_level(idx_ptr, len_ptr, lvl_ptr, tile_kv_ptr, tile_mask_ptr, tile_level_ptr,
+                                          tile_members_ptr, q0, s_q, s_kv, topk, tbase, off, nrows, offs, tcol, tnum,
+                                          G, G >> e, T, KP, NTP, HAS_LEN)
         if M > 1:
             for b in tl.static_range(G // M):
-                BBITS: tl.constexpr = ((1 << M) - 1) << (b * M)
+                BBITS = ((1 << M) - 1) << (b * M)
                 start = 0
                 for j in tl.static_range(M):
                     q = q0 + b * M + j
@@ -158,15 +181,8 @@ def _plan_kernel(
                     tl.store(tile_kv_ptr + dst, idx, mask=rep)
                     tl.store(tile_mask_ptr + dst, mb << (b * M), mask=rep)
                     start += tl.sum(rep.to(tl.int32))
-                nt = (start + T - 1) // T
-                pp = start + tcol
-                pm = pp < nt * T
-                tl.store(tile_kv_ptr + (tbase + off + pp // T) * T + pp % T, tl.full([T], -1, tl.int32), mask=pm)
-                tl.store(tile_mask_ptr + (tbase + off + pp // T) * T + pp % T, tl.zeros([T], tl.int32), mask=pm)
-                tl.store(tile_level_ptr + tbase + off + tnum, tl.zeros([NTP], tl.int32), mask=tnum < nt)
-                tl.store(tile_members_ptr + tbase + off + tnum, tl.full([NTP], BBITS, tl.int32), mask=tnum < nt)
-                off += nt
-                nrows += start
+                off, nrows = _close_segment(tile_kv_ptr, tile_mask_ptr, tile_level_ptr, tile_members_ptr, tbase, off,
+                                            nrows, start, tcol, tnum, 0, BBITS, T, NTP)
         tl.store(group_tiles_ptr + g, off)
         tl.store(group_rows_ptr + g, nrows)
         # 6. leave the table zero for the next group
@@ -224,7 +240,7 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
         tile_kv, tile_mask, tile_level, tile_members, group_tiles, group_rows, dropped, group_valid,
         s_q, s_kv, topk, n_groups, cap, float(thr),
         G=G, M=M, T=T, KP=KP, NTP=NTP, HAS_LEN=topk_length is not None, MASKS_GIVEN=masks_given,
-        ICLIP=bool(importance_clip), num_warps=4,
+        ICLIP=bool(importance_clip), num_warps=PLAN_WARPS,
     )
     parts = dict(tile_kv=tile_kv, tile_mask=tile_mask, tile_level=tile_level, tile_members=tile_members,
                  group_tiles=group_tiles, group_rows=group_rows, dropped=dropped)
