@@ -29,10 +29,14 @@ def resources(kernel) -> str:
 
 def compile_kernel(fn, ptrs, scalars, constexprs, num_warps, num_stages=2):
     sig = {n: "*i32" for n in fn.arg_names}
+    sig.update({"masks_ptr": "*i16", "lvl_ptr": "*i8"} if fn is _plan_kernel else {})
     sig.update(ptrs)
     sig.update(scalars)
     sig.update({k: "constexpr" for k in constexprs})
-    return triton.compile(ASTSource(fn, sig, constexprs), target=TARGET,
+    # as the JIT specializes them at run time: pointers and strides divisible by 16
+    div = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -63,11 +67,12 @@ if __name__ == "__main__":
             for w in (4, 8, 16):
                 print(f"planner G={G} M={M} warps={w}: {resources(planner(G, M, w))}", flush=True)
     if "attention" in a.what:
-        for (G, QP, HB) in [(8, 4, 16), (8, 8, 8), (1, 1, 64), (1, 1, 16)]:
+        for (G, QP, HB) in [(8, 4, 16), (8, 8, 8), (8, 8, 16), (1, 1, 64), (1, 1, 16)]:
             for fp8 in (False, True):
-                for w, s in [(8, 2), (8, 3), (4, 2)]:
+                for w, s in ([(8, 2), (8, 3), (16, 2)] if QP * HB <= 64 else [(16, 2), (16, 1)]):
+                  for dvs in (512, 256):
                     try:
-                        r = resources(attention(G, QP, HB, fp8, w, s, from_plan=G > 1))
+                        r = resources(attention(G, QP, HB, fp8, w, s, dvs=dvs, from_plan=G > 1))
                     except Exception as e:  # report, keep going
                         r = f"FAILED {type(e).__name__}: {str(e)[:120]}"
-                    print(f"attention G={G} QP={QP} HB={HB} fp8={fp8} warps={w} stages={s}: {r}", flush=True)
+                    print(f"attention G={G} QP={QP} HB={HB} fp8={fp8} warps={w} stages={s} dvs={dvs}: {r}", flush=True)

@@ -131,8 +131,8 @@ def sparse_prefill(
     if not _kernels_can_run(q.device):
         raise ValueError(f"method={method!r} runs Triton kernels: q must be on a CUDA device "
                          f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
-    if dv_split not in (1, 2, 4) or d_v % dv_split:
-        raise ValueError(f"dv_split must be 1, 2 or 4 and divide d_v, got {dv_split}")
+    if dv_split not in (1, 2) or (dv_split == 2 and (d_v // 2 < 16 or (kv.dtype == torch.uint8 and d_v // 2 % 128))):
+        raise ValueError(f"dv_split must be 1 or 2 (2 needs d_v / 2 >= 16), got {dv_split}")
     from .ops.sparse_attention import launch_sparse_attention, program_shape
 
     s_kv = kv.shape[0]

@@ -27,14 +27,18 @@ def useful_flops(s_q: int, topk: int, h: int, d_qk: int = D_QK, d_v: int = D_V) 
 def environment() -> dict:
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-        if dirty:
-            commit += "+dirty"
-    except OSError:
+    commit = os.environ.get("QUILT_COMMIT", "")  # set by callers whose copy of the tree has no git history
+    if not commit:
+        try:
+            here = os.path.dirname(__file__)
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, cwd=here).stdout.strip()
+            if len(commit) == 40 and dirty:
+                commit += "+dirty"
+        except OSError:
+            commit = ""
+    if not commit or len(commit.split("+")[0]) != 40:
         commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"gpu": gpu, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

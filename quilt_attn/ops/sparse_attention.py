@@ -22,33 +22,31 @@ LAST_COMPILED: dict = {}
 
 
 @triton.jit
-def _load_kv_tile(kv_ptr, kv_f32_ptr, kv_b16_ptr, stride_kv, rows, offs_v, offs_r,
-                  FP8: tl.constexpr, BT: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
-                  DTYPE: tl.constexpr):
-    """Gather ``BT`` kv rows: latent part ``[BT, DV]`` and rope part ``[BT, DR]``, in DTYPE."""
+def _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c0, FP8: tl.constexpr, BT: tl.constexpr, NC: tl.constexpr,
+               DTYPE: tl.constexpr):
+    """Latent columns ``c0 .. c0 + NC`` of ``BT`` gathered kv rows, ``[BT, NC]`` in DTYPE (FP8 dequantized)."""
+    cols = c0 + tl.arange(0, NC)
     if FP8:
-        # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128) | 64 bf16 rope.
-        raw = tl.load(kv_ptr + rows[:, None] * 656 + offs_v[None, :])
-        sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + tl.arange(0, 4)[None, :])
+        # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128 values) | 64 bf16 rope
+        raw = tl.load(kv_ptr + rows[:, None] * 656 + cols[None, :])
+        sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + c0 // 128 + tl.arange(0, NC // 128)[None, :])
         val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        kn = tl.reshape(tl.reshape(val, [BT, 4, 128]) * sc[:, :, None], [BT, DV]).to(DTYPE)
-        kr = tl.load(kv_b16_ptr + rows[:, None] * 328 + 264 + offs_r[None, :]).to(DTYPE)
+        k = tl.reshape(tl.reshape(val, [BT, NC // 128, 128]) * sc[:, :, None], [BT, NC]).to(DTYPE)
     else:
-        kn = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_v[None, :])
-        kr = tl.load(kv_ptr + rows[:, None] * stride_kv + DV + offs_r[None, :])
-    return kn, kr
+        k = tl.load(kv_ptr + rows[:, None] * stride_kv + cols[None, :])
+    return k
 
 
 @triton.jit
-def _load_v_slice(kv_ptr, kv_f32_ptr, stride_kv, rows, offs_o, FP8: tl.constexpr, DTYPE: tl.constexpr):
-    """Value columns ``offs_o`` of the gathered rows (used when d_v is split across programs)."""
+def _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+               DTYPE: tl.constexpr):
+    """Rope columns ``[BT, DR]`` of the gathered rows."""
+    offs_r = tl.arange(0, DR)
     if FP8:
-        raw = tl.load(kv_ptr + rows[:, None] * 656 + offs_o[None, :])
-        sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + (offs_o // 128)[None, :])
-        v = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DTYPE)
+        kr = tl.load(kv_b16_ptr + rows[:, None] * 328 + 264 + offs_r[None, :]).to(DTYPE)
     else:
-        v = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_o[None, :])
-    return v
+        kr = tl.load(kv_ptr + rows[:, None] * stride_kv + DV + offs_r[None, :])
+    return kr
 
 
 @triton.jit
@@ -81,13 +79,17 @@ def _sparse_attention_kernel(
     hrow = tl.where(row_ok, head, 0)
     member_bit = sub * QP + qi
 
-    offs_v = tl.arange(0, DV)
-    offs_r = tl.arange(0, DR)
-    offs_o = vs * DVS + tl.arange(0, DVS)
+    # With d_v split in two, a program accumulates its own half of the value columns but still
+    # needs all of q.k: it loads its own half first ("a") and the other half ("b").
+    c_own = vs * DVS
+    c_oth = DVS - c_own
+    offs_o = c_own + tl.arange(0, DVS)
     q_base = q_ptr + qrow[:, None] * stride_qs + hrow[:, None] * stride_qh
-    q_nope = tl.load(q_base + offs_v[None, :])
-    q_rope = tl.load(q_base + DV + offs_r[None, :])
-    DTYPE = q_nope.dtype
+    q_a = tl.load(q_base + offs_o[None, :])
+    if DVS < DV:
+        q_b = tl.load(q_base + c_oth + tl.arange(0, DVS)[None, :])
+    q_rope = tl.load(q_base + DV + tl.arange(0, DR)[None, :])
+    DTYPE = q_a.dtype
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -116,9 +118,12 @@ def _sparse_attention_kernel(
             col_ok = (kidx >= 0) & (kidx < s_kv)
             own = col_ok[None, :] & (qi[:, None] >= 0)
         rows = tl.where(col_ok, kidx, 0).to(tl.int64)
-        kn, kr = _load_kv_tile(kv_ptr, kv_f32_ptr, kv_b16_ptr, stride_kv, rows, offs_v, offs_r,
-                               FP8, BT, DV, DR, DTYPE)
-        s = tl.dot(q_nope, tl.trans(kn))
+        ka = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_own, FP8, BT, DVS, DTYPE)
+        kr = _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8, DV, DR, DTYPE)
+        s = tl.dot(q_a, tl.trans(ka))
+        if DVS < DV:
+            kb = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_oth, FP8, BT, DVS, DTYPE)
+            s = tl.dot(q_b, tl.trans(kb), s)
         s = tl.dot(q_rope, tl.trans(kr), s)
         s = tl.where(own, s * sm_scale2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -126,12 +131,8 @@ def _sparse_attention_kernel(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DVS == DV:
-            v = kn
-        else:
-            v = _load_v_slice(kv_ptr, kv_f32_ptr, stride_kv, rows, offs_o, FP8, DTYPE)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DTYPE), v, acc)
+        acc = tl.dot(p.to(DTYPE), ka, acc)
         m_i = m_new
 
     empty = l_i == 0.0

@@ -180,7 +180,7 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip):
     member = (torch.arange(rows, device=dev) % G)[:, None]
     gid = (torch.arange(rows, device=dev) // G)[:, None].expand(rows, topk)
     level = cascade_levels(masks, G)
-    s_tab = int(idx.max().item()) + 1 if valid.any() else 1
+    s_tab = int(torch.where(valid, idx, 0).max().item()) + 1 if valid.any() else 1  # table over valid rows only
     slot_of = (gid * s_tab + torch.where(valid, idx, 0)).long()
 
     for L in levels_desc(G, max(M, 2)):  # tile-aware clipping, top level first
@@ -260,13 +260,17 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip):
                 dropped=dropped)
 
 
-def _use_triton(device: torch.device, backend: str) -> bool:
+def _use_triton(device: torch.device, backend: str, tile: int) -> bool:
     if backend == "torch":
         return False
     can = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "triton" and not can:
-        raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1)")
-    return can if backend == "triton" else device.type == "cuda"
+    if backend == "triton":
+        if not can:
+            raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+        if tile & (tile - 1):
+            raise ValueError(f"backend='triton' needs a power-of-two tile, got {tile}; use backend='torch'")
+        return True
+    return device.type == "cuda" and not tile & (tile - 1)  # other tiles: the torch planner
 
 
 def plan(
@@ -286,7 +290,9 @@ def plan(
 
     Parameters
     ----------
-    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``), rows in descending importance.
+    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``), rows in descending importance. A row
+        must not repeat a kv row (Top-K lists never do): a repeated entry is not de-duplicated and
+        would be counted again for the query's group partners.
     s_kv : context length; entries ``>= s_kv`` or ``< 0`` are ignored (``None``: only negatives).
     topk_length : optional int32 ``[s_q]``; row i keeps its first ``topk_length[i]`` entries.
     group_size : queries a group, power of two in [1, 16] (1 = query-parallel).
@@ -323,7 +329,7 @@ def plan(
     topk_length = check_topk_length(topk_length, s_q, dev)
     thr = float(clip_threshold) * tile
 
-    if _use_triton(dev, backend):
+    if _use_triton(dev, backend, tile):
         from .triton_plan import plan_triton
 
         parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method)

@@ -1,7 +1,7 @@
 """Fused Triton planner: one program a query group, no sort, no host sync.
 
 A program walks its group's ``G`` lists a few times (each list is one ``[KP]`` vector):
-membership bits go into a per-program table indexed by kv row (``table[row] |= 1 << k``),
+membership bits go into a per-program table indexed by kv row (atomic ``table[row] |= 1 << k``),
 every entry reads its row's member mask back, levels follow from the mask, tile-aware clipping
 marks pushed rows with one flag bit a block in the same table, and the tile lists are written
 with prefix sums. The table is cleared on the way out, so the workspace stays zero between calls.
@@ -18,6 +18,7 @@ from .plan import levels_desc, segment_count, tile_capacity
 
 _WORKSPACE: dict = {}
 PLAN_WARPS = 16  # measured on the H200: see benchmarks/NOTES.md
+PLAN_PROGS_PER_SM = 4
 
 
 @triton.jit
@@ -40,24 +41,23 @@ def _push_level(idx_ptr, len_ptr, lvl_ptr, tbl, q0, s_q, s_kv, topk, thr, offs,
         FLAG = 1 << (16 + (G // L - 1) + b)
         rep = q0 + b * L
         idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
-        lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
+        lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0).to(tl.int32)
         sel = lv == L
         n = tl.sum(sel.to(tl.int32))
         r = n % T
         if (r > 0) & (r.to(tl.float32) < thr):
             pos = tl.cumsum(sel.to(tl.int32), 0) - 1
             pushed = sel & (pos >= n - r)
-            old = tl.load(tbl + idx, mask=pushed, other=0)
-            tl.store(tbl + idx, old | FLAG, mask=pushed)
+            tl.atomic_or(tbl + idx, tl.where(pushed, FLAG, 0), mask=pushed, sem="relaxed", scope="cta")
             tl.debug_barrier()
             for j in tl.static_range(L):
                 q = rep + j
                 idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
-                lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
+                lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0).to(tl.int32)
                 at = lv == L
                 f = tl.load(tbl + idx, mask=at, other=0)
                 lv = tl.where(at & ((f & FLAG) != 0), L // 2, lv)
-                tl.store(lvl_ptr + q * topk + offs, lv, mask=offs < topk)
+                tl.store(lvl_ptr + q * topk + offs, lv.to(tl.int8), mask=offs < topk)
             tl.debug_barrier()
 
 
@@ -71,7 +71,7 @@ def _write_level(idx_ptr, len_ptr, lvl_ptr, tile_kv_ptr, tile_mask_ptr, tile_lev
         BITS = ((1 << L) - 1) << (b * L)
         rep = q0 + b * L
         idx, ok = _load_list(idx_ptr, len_ptr, rep, s_q, s_kv, topk, offs, HAS_LEN)
-        lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0)
+        lv = tl.load(lvl_ptr + rep * topk + offs, mask=offs < topk, other=0).to(tl.int32)
         sel = lv == L
         n = tl.sum(sel.to(tl.int32))
         pos = tl.cumsum(sel.to(tl.int32), 0) - 1
@@ -116,26 +116,25 @@ def _plan_kernel(
         q0 = g * G
         # 1. member masks: every member ORs its bit into the row's table slot
         if not MASKS_GIVEN:
-            for k in tl.static_range(G):
+            for k in tl.static_range(G):  # ORs commute: all members' updates may be in flight at once
                 idx, ok = _load_list(idx_ptr, len_ptr, q0 + k, s_q, s_kv, topk, offs, HAS_LEN)
-                old = tl.load(tbl + idx, mask=ok, other=0)
-                tl.store(tbl + idx, old | (1 << k), mask=ok)
-                tl.debug_barrier()
+                tl.atomic_or(tbl + idx, tl.zeros([KP], tl.int32) + (1 << k), mask=ok, sem="relaxed", scope="cta")
+            tl.debug_barrier()
         # 2. read masks back; cascade level = largest aligned all-selecting block holding the query
         nvalid = 0
         for k in tl.static_range(G):
             q = q0 + k
             idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
             if MASKS_GIVEN:
-                m = tl.load(masks_ptr + q * topk + offs, mask=ok, other=0)
+                m = tl.load(masks_ptr + q * topk + offs, mask=ok, other=0).to(tl.int32) & 0xFFFF
             else:
                 m = tl.load(tbl + idx, mask=ok, other=0) & 0xFFFF
-                tl.store(masks_ptr + q * topk + offs, m, mask=offs < topk)
+                tl.store(masks_ptr + q * topk + offs, m.to(tl.int16), mask=offs < topk)
             lv = tl.zeros([KP], tl.int32)
             for e in tl.static_range(G.bit_length()):  # level G >> e
                 full = ((m >> ((k // (G >> e)) * (G >> e))) & ((1 << (G >> e)) - 1)) == ((1 << (G >> e)) - 1)
                 lv = tl.where((lv == 0) & ok & full, G >> e, lv)
-            tl.store(lvl_ptr + q * topk + offs, lv, mask=offs < topk)
+            tl.store(lvl_ptr + q * topk + offs, lv.to(tl.int8), mask=offs < topk)
             nvalid += tl.sum(ok.to(tl.int32))
         tl.store(valid_ptr + g, nvalid)
         tl.debug_barrier()
@@ -147,13 +146,13 @@ def _plan_kernel(
         if ICLIP:
             for k in tl.static_range(G):
                 q = q0 + k
-                lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
+                lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0).to(tl.int32)
                 sel = lv == 1
                 n = tl.sum(sel.to(tl.int32))
                 r = n % T
                 clip = (r > 0) & (r.to(tl.float32) < thr)
                 drop = sel & clip & ((tl.cumsum(sel.to(tl.int32), 0) - 1) >= n - r)
-                tl.store(lvl_ptr + q * topk + offs, tl.where(drop, 0, lv), mask=offs < topk)
+                tl.store(lvl_ptr + q * topk + offs, tl.where(drop, 0, lv).to(tl.int8), mask=offs < topk)
                 tl.store(dropped_ptr + q, tl.where(clip, r, 0), mask=q < s_q)
         tl.debug_barrier()
         # 5. segments, in order: blocks of level G .. M, then the merged block segments
@@ -172,8 +171,8 @@ def _plan_kernel(
                 for j in tl.static_range(M):
                     q = q0 + b * M + j
                     idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
-                    lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0)
-                    m = tl.load(masks_ptr + q * topk + offs, mask=offs < topk, other=0)
+                    lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0).to(tl.int32)
+                    m = tl.load(masks_ptr + q * topk + offs, mask=offs < topk, other=0).to(tl.int32) & 0xFFFF
                     mb = (m >> (b * M)) & ((1 << M) - 1)
                     rep = (lv > 0) & (lv < M) & ((mb & (0 - mb)) == (1 << j))
                     pos = start + tl.cumsum(rep.to(tl.int32), 0) - 1
@@ -218,10 +217,11 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
     masks_given = method == "sort"
     if masks_given:
         masks, _ = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method="sort")
-        masks = torch.cat([masks, masks.new_zeros(rows - s_q, topk)]) if rows > s_q else masks.contiguous()
+        masks = torch.cat([masks, masks.new_zeros(rows - s_q, topk)]) if rows > s_q else masks
+        masks = masks.to(torch.int16).contiguous()  # G <= 16 bits
     else:
-        masks = torch.empty(rows, topk, dtype=torch.int32, device=dev)
-    lvl = torch.empty(rows, topk, dtype=torch.int32, device=dev)
+        masks = torch.empty(rows, topk, dtype=torch.int16, device=dev)
+    lvl = torch.empty(rows, topk, dtype=torch.int8, device=dev)
     tile_kv = torch.full((n_groups, cap, T), -1, dtype=torch.int32, device=dev)
     tile_mask = torch.zeros(n_groups, cap, T, dtype=torch.int32, device=dev)
     tile_level = torch.full((n_groups, cap), -1, dtype=torch.int32, device=dev)
@@ -231,7 +231,7 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
     group_valid = torch.empty(n_groups, dtype=torch.int32, device=dev)
     dropped = torch.zeros(s_q, dtype=torch.int32, device=dev)
     if dev.type == "cuda":
-        n_prog = min(n_groups, 4 * torch.cuda.get_device_properties(dev).multi_processor_count)
+        n_prog = min(n_groups, PLAN_PROGS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count)
     else:
         n_prog = min(n_groups, 4)
     table = _workspace(dev, n_prog, s_kv)
