@@ -54,7 +54,7 @@ def attention(G, QP, HB, fp8, num_warps, num_stages, dvs=512, from_plan=True):
 def planner(G, M, num_warps):
     scalars = {n: "i32" for n in ["s_q", "s_kv", "topk", "n_groups", "cap"]}
     scalars["thr"] = "fp32"
-    cx = dict(G=G, M=M, T=64, KP=2048, NTP=512, HAS_LEN=False, MASKS_GIVEN=False, ICLIP=False)
+    cx = dict(G=G, M=M, T=64, KP=2048, NTP=512, HAS_LEN=False, MASKS_GIVEN=False, ICLIP=False, SPLIT=True)
     return compile_kernel(_plan_kernel, {}, scalars, cx, num_warps)
 
 

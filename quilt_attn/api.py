@@ -78,12 +78,13 @@ def sparse_prefill(
     clip_threshold: float = 0.5,
     importance_clip: bool = False,
     merge_level: int | None = None,
+    split_private: bool = True,
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     dv_split: int = 1,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ):
     """Top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
 
@@ -99,9 +100,12 @@ def sparse_prefill(
     group_size, tile, clip_threshold, importance_clip : planner settings (see ``quilt_attn.plan``).
     merge_level : where the cascade stops; default: the queries one program holds (``64 // h``),
         so that every tile fills a 64-row matrix product.
+    split_private : rows one query owns alone run in 16-row query programs instead of 64-row tiles
+        (see ``quilt_attn.plan``); with nothing shared this falls back to query-parallel execution.
     d_v : value width (first ``d_v`` columns of kv).
     attn_sink : optional float32 ``[h]``. topk_length : optional int32 ``[s_q]``.
-    dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs).
+    dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs;
+        None: measured defaults by program shape).
 
     Returns
     -------
@@ -142,9 +146,10 @@ def sparse_prefill(
                                        num_stages=num_stages)
     if plan is None:
         if merge_level is None:
-            merge_level = 1 if importance_clip else program_shape(h, group_size)[0]
+            merge_level = program_shape(h, group_size)[0]
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, group_size=group_size, tile=tile,
-                         clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level)
+                         clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level,
+                         split_private=split_private)
     else:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a quilt_attn.Plan, got {type(plan).__name__}")

@@ -102,7 +102,8 @@ def time_ms(fn, warmup: int = 50, rep: int = 300) -> float:
 
 
 def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, importance_clip=False,
-             clip_threshold=0.5, dv_split=1, num_warps=8, num_stages=2, check_rows=256) -> dict:
+             clip_threshold=0.5, split_private=True, dv_split=1, num_warps=None, num_stages=None,
+             check_rows=256) -> dict:
     """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart)."""
     from . import plan as make_plan
     from .api import sparse_prefill
@@ -113,14 +114,16 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     pl, plan_ms, kv_tiles = None, 0.0, None
     if method == "quilt":
         if merge_level is None:
-            merge_level = 1 if importance_clip else program_shape(c.h, group_size)[0]
+            merge_level = program_shape(c.h, group_size)[0]
         pkw = dict(s_kv=c.s_kv, group_size=group_size, tile=64, clip_threshold=clip_threshold,
-                   importance_clip=importance_clip, merge_level=merge_level)
+                   importance_clip=importance_clip, merge_level=merge_level, split_private=split_private)
         plan_ms = time_ms(lambda: make_plan(inputs.indices, **pkw), warmup=5, rep=50)
         pl = make_plan(inputs.indices, **pkw)
-        qp = program_shape(c.h, group_size)[0]
+        qp, hb = program_shape(c.h, group_size)
         _, ntiles = pl.work_list(qp)
-        kv_tiles = int(ntiles.sum()) * math.ceil(c.h / program_shape(c.h, group_size)[1])
+        kv_tiles = int(ntiles.sum()) * math.ceil(c.h / hb)
+        if pl.split_private:  # plus the private pass, query by query
+            kv_tiles += int(((pl.priv_n + 63) // 64).sum()) * math.ceil(c.h / program_shape(c.h, 1)[1])
         kw["plan"] = pl
     else:
         kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
@@ -143,6 +146,7 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
         "tflops": useful_flops(c.s_q, c.topk, c.h) / ms / 1e9, "rel_err": chk["rel_err"], "lse_err": chk["lse_err"],
         "kv_tiles": kv_tiles, "plan_ms": plan_ms,
         "config": {"group_size": group_size if method == "quilt" else 1, "merge_level": merge_level,
+                   "split_private": split_private if method == "quilt" else None,
                    "dv_split": dv_split, "num_warps": num_warps, "num_stages": num_stages,
                    "clip_threshold": clip_threshold},
         "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
@@ -161,7 +165,8 @@ def format_rows(rows) -> str:
         cfg = r["config"]
         lines.append(f"{r['method']:<16}{r['workload']:<15}{r['kv']:<5}{r['h']:>4}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
                      f"{r['kv_tiles']:>10}{r['rel_err']:>10.2e}{r['plan_ms']:>9.3f}  "
-                     f"G={cfg['group_size']} m={cfg['merge_level']} w={cfg['num_warps']} s={cfg['num_stages']} "
+                     f"G={cfg['group_size']} m={cfg['merge_level']} sp={cfg.get('split_private')} "
+                     f"w={cfg['num_warps']} s={cfg['num_stages']} "
                      f"dvs={cfg['dv_split']} regs={r.get('regs')} spills={r.get('spills')}")
     return "\n".join(lines)
 

@@ -55,10 +55,12 @@ def _sparse_attention_kernel(
     idx_ptr, len_ptr,  # query-parallel: indices [s_q, topk], optional topk_length [s_q]
     tile_kv_ptr, tile_mask_ptr, prog_tiles_ptr, prog_ntiles_ptr,  # QUILT plan
     sink_ptr, out_ptr, maxl_ptr, lse_ptr,
+    init_o_ptr, init_m_ptr, init_lse_ptr,  # HAS_INIT: online-softmax state to continue from (fp32)
     s_q, s_kv, h, topk, prog_cap,
     stride_qs, stride_qh, stride_kv, stride_idx, stride_os, stride_oh,
     sm_scale2,
     FROM_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, FP8: tl.constexpr,
+    HAS_INIT: tl.constexpr, PARTIAL: tl.constexpr,
     G: tl.constexpr, QP: tl.constexpr, HB: tl.constexpr, BT: tl.constexpr,
     DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr,
 ):
@@ -94,6 +96,14 @@ def _sparse_attention_kernel(
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, DVS], tl.float32)
+    if HAS_INIT:  # continue the state a previous pass left (normalized out, max, lse; lse = +inf: empty)
+        m0 = tl.load(init_m_ptr + qrow * h + hrow)
+        lse0 = tl.load(init_lse_ptr + qrow * h + hrow)
+        o0 = tl.load(init_o_ptr + qrow[:, None].to(tl.int64) * stride_os + hrow[:, None] * stride_oh + offs_o[None, :])
+        seen = lse0 != float("inf")
+        m_i = tl.where(seen, m0, float("-inf"))
+        l_i = tl.where(seen, tl.exp2(lse0 - tl.where(seen, m0, 0.0)), 0.0)
+        acc = tl.where(seen[:, None], o0 * l_i[:, None], 0.0)
     cols = tl.arange(0, BT)
 
     if FROM_PLAN:
@@ -139,7 +149,7 @@ def _sparse_attention_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
     o = acc / l_safe[:, None]
-    if HAS_SINK:
+    if HAS_SINK and not PARTIAL:
         sink = tl.load(sink_ptr + hrow)
         # exp(lse_e) / (exp(lse_e) + exp(sink)), lse_e = lse * ln 2; an empty row stays 0
         fac = 1.0 / (1.0 + tl.exp(sink - lse * 0.6931471805599453))
@@ -167,30 +177,28 @@ def program_shape(h: int, group_size: int) -> tuple[int, int]:
     return qp, hb
 
 
-def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
-                            attn_sink=None, dv_split=1, num_warps=8, num_stages=2):
-    """Allocate outputs and launch the kernel; arguments are already checked.
+# (num_warps, num_stages) by matrix rows a program; measured on the H200 (benchmarks/NOTES.md)
+DEFAULT_CONFIG = {16: (4, 2), 32: (4, 2), 64: (8, 3)}
 
-    ``q [s_q, h, d_qk]``; ``kv`` dense ``[s_kv, d_qk]`` of q's dtype or FP8 ``uint8 [s_kv, 656]``;
-    query-parallel when ``plan`` is None (then ``indices [s_q, topk]`` is read directly).
-    """
+
+def default_config(rows: int) -> tuple[int, int]:
+    return DEFAULT_CONFIG.get(rows, (8, 2))
+
+
+def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
+            attn_sink=None, init=None, partial=False, dv_split=1, num_warps=None, num_stages=None):
+    """One kernel pass over ``plan``'s tiles or, without a plan, over ``indices`` query by query."""
     import torch
 
     from ..reference import LOG2E
 
     s_q, h, d_qk = q.shape
     fp8 = kv.dtype == torch.uint8
-    s_kv = kv.shape[0]
     G = plan.group_size if plan is not None else 1
     QP, HB = program_shape(h, G)
-    out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
-    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    if s_q == 0:
-        return out, max_logits, lse
+    w, st = default_config(QP * HB)
+    num_warps, num_stages = num_warps or w, num_stages or st
     dummy = torch.empty(1, dtype=torch.int32, device=q.device)
-    kv_f32 = kv.view(torch.float32) if fp8 else kv
-    kv_b16 = kv.view(torch.bfloat16) if fp8 else kv
     if plan is not None:
         prog_tiles, prog_ntiles = plan.work_list(QP)
         grid = (prog_tiles.shape[0], triton.cdiv(h, HB), dv_split)
@@ -201,19 +209,53 @@ def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=N
         prog_cap, bt = 0, 64
         grid = (s_q, triton.cdiv(h, HB), dv_split)
         idx, topk = indices, indices.shape[1]
+    init_o, init_m, init_lse = init if init is not None else (out, max_logits, lse)
     compiled = _sparse_attention_kernel[grid](
-        q, kv, kv_f32, kv_b16,
+        q, kv, kv.view(torch.float32) if fp8 else kv, kv.view(torch.bfloat16) if fp8 else kv,
         idx, topk_length if topk_length is not None else dummy,
         tile_kv, tile_mask, prog_tiles, prog_ntiles,
-        attn_sink if attn_sink is not None else out, out, max_logits, lse,
-        s_q, s_kv, h, topk, prog_cap,
+        attn_sink if attn_sink is not None else max_logits, out, max_logits, lse,
+        init_o, init_m, init_lse,
+        s_q, kv.shape[0], h, topk, prog_cap,
         q.stride(0), q.stride(1), 0 if fp8 else kv.stride(0), idx.stride(0) if plan is None else 0,
         out.stride(0), out.stride(1),
         float(sm_scale) * LOG2E,
         FROM_PLAN=plan is not None, HAS_LEN=topk_length is not None and plan is None,
-        HAS_SINK=attn_sink is not None, FP8=fp8,
+        HAS_SINK=attn_sink is not None, FP8=fp8, HAS_INIT=init is not None, PARTIAL=partial,
         G=G, QP=QP, HB=HB, BT=bt, DV=d_v, DR=d_qk - d_v, DVS=d_v // dv_split,
         num_warps=num_warps, num_stages=num_stages,
     )
     LAST_COMPILED["kernel"] = compiled  # registers / spills, for benchmarks
+
+
+def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
+                            attn_sink=None, dv_split=1, num_warps=None, num_stages=None):
+    """Allocate outputs and run the kernel pass(es); arguments are already checked.
+
+    ``q [s_q, h, d_qk]``; ``kv`` dense ``[s_kv, d_qk]`` of q's dtype or FP8 ``uint8 [s_kv, 656]``.
+    Without a plan: query-parallel over ``indices [s_q, topk]``. With a plan: its tiles; when the plan
+    split private rows off, a second, query-parallel pass over ``plan.priv_idx`` continues each
+    row's online-softmax state from the first (kept in float32) and writes the outputs.
+    """
+    import torch
+
+    s_q, h, _ = q.shape
+    out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    if s_q == 0:
+        return out, max_logits, lse
+    kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
+    if plan is None:
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices, topk_length=topk_length,
+                attn_sink=attn_sink, **kw)
+    elif not plan.split_private:
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **kw)
+    else:
+        part = (torch.empty(s_q, h, d_v, dtype=torch.float32, device=q.device),
+                torch.empty(s_q, h, dtype=torch.float32, device=q.device),
+                torch.empty(s_q, h, dtype=torch.float32, device=q.device))
+        _launch(q, kv, sm_scale, d_v, *part, plan=plan, partial=True, **kw)
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
+                attn_sink=attn_sink, init=part, **kw)
     return out, max_logits, lse

@@ -50,6 +50,9 @@ class Plan:
         logical (segment, row) entries of each group, each shared row counted once.
     dropped : int32 ``[s_q]``
         (query, row) pairs removed by importance-aware clipping, per query.
+    priv_idx, priv_n : int32 ``[s_q, topk]`` and ``[s_q]``, or None
+        with ``split_private``: each query's private rows (importance order, -1 padded) and their
+        count; these rows are in no tile and are run query by query (16-row programs) instead.
     valid_pairs : int64 scalar tensor, valid (query, row) pairs of the input.
     """
 
@@ -62,6 +65,7 @@ class Plan:
     importance_clip: bool
     merge_level: int
     method: str
+    split_private: bool
     tile_kv: torch.Tensor
     tile_mask: torch.Tensor
     tile_level: torch.Tensor
@@ -69,6 +73,8 @@ class Plan:
     group_tiles: torch.Tensor
     group_rows: torch.Tensor
     dropped: torch.Tensor
+    priv_idx: torch.Tensor | None
+    priv_n: torch.Tensor | None
     valid_pairs: torch.Tensor
     _stats: dict | None = field(default=None, repr=False)
     _work: dict = field(default_factory=dict, repr=False)
@@ -90,7 +96,10 @@ class Plan:
         """Plan statistics (computed once; reading them syncs with the device)."""
         if self._stats is None:
             tiles = int(self.group_tiles.sum())
-            rows = int(self.group_rows.sum())
+            tile_rows = int(self.group_rows.sum())
+            priv = int(self.priv_n.sum()) if self.priv_n is not None else 0
+            priv_tiles = int(((self.priv_n + self.tile - 1) // self.tile).sum()) if self.priv_n is not None else 0
+            rows = tile_rows + priv
             valid = int(self.valid_pairs)
             levels = torch.bincount((self.tile_level + 1).view(-1).long(), minlength=self.group_size + 2).tolist()
             per_level = {("merged" if lv == 0 else lv): levels[lv + 1]
@@ -99,10 +108,12 @@ class Plan:
             self._stats = {
                 "valid_pairs": valid,
                 "rows_processed": rows,
-                "padded_slots": tiles * self.tile - rows,
+                "padded_slots": tiles * self.tile - tile_rows,
                 "tiles": tiles,
+                "private_rows": priv,
+                "private_tiles": priv_tiles,
                 "tiles_per_level": per_level,
-                "tile_utilization": rows / max(1, tiles * self.tile),
+                "tile_utilization": tile_rows / max(1, tiles * self.tile),
                 "reduction": 1.0 - rows / max(1, valid),
                 "dropped_pairs": int(self.dropped.sum()),
             }
@@ -113,10 +124,11 @@ class Plan:
         return "\n".join([
             f"QUILT plan: s_q={self.s_q} topk={self.topk} group_size={self.group_size} tile={self.tile} "
             f"clip_threshold={self.clip_threshold} importance_clip={self.importance_clip} "
-            f"merge_level={self.merge_level} method={self.method}",
+            f"merge_level={self.merge_level} split_private={self.split_private} method={self.method}",
             f"  valid (query, row) pairs : {s['valid_pairs']}",
             f"  rows processed (logical) : {s['rows_processed']}  (reduction {s['reduction']:.1%})",
             f"  tiles                    : {s['tiles']}  per level {s['tiles_per_level']}",
+            f"  private rows (run apart) : {s['private_rows']}  in {s['private_tiles']} query tiles",
             f"  padded slots             : {s['padded_slots']}  (tile utilization {s['tile_utilization']:.1%})",
             f"  dropped pairs            : {s['dropped_pairs']}",
         ])
@@ -173,7 +185,7 @@ def tile_capacity(G: int, M: int, topk: int, T: int) -> int:
     return -(-G * topk // T) + segment_count(G, M)
 
 
-def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip):
+def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private):
     """Vectorised torch planner over padded rows ``idx [n_groups * G, topk]`` (rank order)."""
     rows, topk = idx.shape
     n_groups, dev = rows // G, idx.device
@@ -196,13 +208,28 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip):
         level = torch.where(moved, L // 2, level)
 
     dropped = torch.zeros(rows, dtype=torch.int32, device=dev)
-    if importance_clip:  # private rows are in importance order: drop the last r
-        sel = level == 1
-        n = sel.sum(1, keepdim=True)
-        r = n % T
-        drop = sel & (r > 0) & (r < thr) & (torch.cumsum(sel, 1) - 1 >= n - r)
-        level = torch.where(drop, 0, level)
-        dropped = drop.sum(1, dtype=torch.int32)
+    priv_idx = priv_n = None
+    if importance_clip or split_private:
+        if M == 1:
+            priv = level == 1
+        else:  # below the merge level, a row only one member of its block owns
+            mb = (masks >> ((member // M) * M)) & ((1 << M) - 1)
+            priv = (level > 0) & (level < M) & ((mb & (mb - 1)) == 0)
+        n = priv.sum(1, keepdim=True)
+        pos = torch.cumsum(priv, 1) - 1
+        keep = priv
+        if importance_clip:  # private rows are in importance order: drop the last r
+            r = n % T
+            drop = priv & (r > 0) & (r < thr) & (pos >= n - r)
+            level = torch.where(drop, 0, level)
+            dropped = drop.sum(1, dtype=torch.int32)
+            keep = priv & ~drop
+        if split_private:
+            priv_idx = torch.full_like(idx, -1)
+            q = torch.arange(rows, device=dev)[:, None].expand(rows, topk)
+            priv_idx[q[keep], pos[keep]] = idx[keep]
+            priv_n = keep.sum(1, dtype=torch.int32)
+            level = torch.where(keep, -1, level)  # in no tile
 
     nseg = segment_count(G, M)
     sid = torch.full_like(level, -1)
@@ -257,7 +284,7 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip):
     return dict(tile_kv=tile_kv.view(n_groups, cap, T), tile_mask=tile_mask.view(n_groups, cap, T),
                 tile_level=tile_level, tile_members=tile_members,
                 group_tiles=seg_tiles.sum(1).to(torch.int32), group_rows=seg_rows.sum(1).to(torch.int32),
-                dropped=dropped)
+                dropped=dropped, priv_idx=priv_idx, priv_n=priv_n)
 
 
 def _use_triton(device: torch.device, backend: str, tile: int) -> bool:
@@ -283,6 +310,7 @@ def plan(
     clip_threshold: float = 0.5,
     importance_clip: bool = False,
     merge_level: int = 1,
+    split_private: bool = False,
     method: str = "bitmap",
     backend: str = "auto",
 ) -> Plan:
@@ -300,12 +328,16 @@ def plan(
     clip_threshold : tile-aware clipping threshold tau in [0, 1]. A segment of ``q*tile + r`` rows
         with ``0 < r < tau * tile`` pushes its ``r`` lowest-ranked rows down a level (exact);
         otherwise the tail is padded.
-    importance_clip : at the private level, drop each query's ``r`` lowest-ranked private rows when
-        they would fill a last tile below the threshold (approximate; counted in ``Plan.dropped``).
-        Needs ``merge_level=1``.
+    importance_clip : drop each query's ``r`` lowest-ranked private rows when they would fill a last
+        tile below the threshold (approximate; counted in ``Plan.dropped``). Private rows are the
+        level-1 rows (``merge_level=1``) or, with ``split_private``, the rows below the merge level
+        that one member of the block owns alone.
     merge_level : the cascade stops at blocks of this many members (power of two <= group_size);
         what smaller sub-blocks share, and private rows, are packed into member-masked tiles of the
         block, one column a distinct row. 1 = the paper's full cascade.
+    split_private : leave rows that a single query owns out of the tiles and list them per query
+        (``Plan.priv_idx``); the kernel runs them in 16-row query programs, where a 64-row tile
+        would compute mostly masked rows. Also the graceful fallback when nothing is shared.
     method : member masks by ``"bitmap"`` (membership table) or ``"sort"`` (SCSD); same plan.
     backend : ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"`` (Triton on CUDA).
     """
@@ -316,8 +348,8 @@ def plan(
     if not 0.0 <= float(clip_threshold) <= 1.0:
         raise ValueError(f"clip_threshold must be in [0, 1], got {clip_threshold}")
     M = check_group_size(merge_level, G)
-    if importance_clip and M != 1:
-        raise ValueError("importance_clip needs merge_level=1 (it clips the private level)")
+    if importance_clip and M != 1 and not split_private:
+        raise ValueError("importance_clip needs merge_level=1 or split_private=True (it clips private rows)")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if backend not in BACKENDS:
@@ -332,7 +364,8 @@ def plan(
     if _use_triton(dev, backend, tile):
         from .triton_plan import plan_triton
 
-        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method)
+        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method,
+                                         split_private)
     else:
         masks, valid = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method=method)
         pad = (-s_q) % G
@@ -341,9 +374,11 @@ def plan(
             idx = torch.cat([idx, idx.new_full((pad, topk), -1)])
             masks = torch.cat([masks, masks.new_zeros((pad, topk))])
             valid = torch.cat([valid, valid.new_zeros((pad, topk))])
-        parts = _plan_torch(idx, valid, masks, G, M, tile, thr, importance_clip)
-        parts["dropped"] = parts["dropped"][:s_q]
+        parts = _plan_torch(idx, valid, masks, G, M, tile, thr, importance_clip, split_private)
+        for k in ("dropped", "priv_idx", "priv_n"):
+            parts[k] = parts[k][:s_q] if parts[k] is not None else None
         valid_pairs = valid.sum()
     return Plan(s_q=s_q, topk=topk, s_kv=s_kv, group_size=G, tile=tile, clip_threshold=float(clip_threshold),
-                importance_clip=bool(importance_clip), merge_level=M, method=method, valid_pairs=valid_pairs,
+                importance_clip=bool(importance_clip), merge_level=M, method=method,
+                split_private=bool(split_private), valid_pairs=valid_pairs,
                 **parts)

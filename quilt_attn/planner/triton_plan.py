@@ -101,10 +101,10 @@ def _close_segment(tile_kv_ptr, tile_mask_ptr, tile_level_ptr, tile_members_ptr,
 def _plan_kernel(
     idx_ptr, len_ptr, masks_ptr, lvl_ptr, table_ptr,
     tile_kv_ptr, tile_mask_ptr, tile_level_ptr, tile_members_ptr,
-    group_tiles_ptr, group_rows_ptr, dropped_ptr, valid_ptr,
+    group_tiles_ptr, group_rows_ptr, dropped_ptr, valid_ptr, priv_idx_ptr, priv_n_ptr,
     s_q, s_kv, topk, n_groups, cap, thr,
     G: tl.constexpr, M: tl.constexpr, T: tl.constexpr, KP: tl.constexpr, NTP: tl.constexpr,
-    HAS_LEN: tl.constexpr, MASKS_GIVEN: tl.constexpr, ICLIP: tl.constexpr,
+    HAS_LEN: tl.constexpr, MASKS_GIVEN: tl.constexpr, ICLIP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -142,18 +142,34 @@ def _plan_kernel(
         for e in tl.static_range(G.bit_length()):
             if (G >> e) >= 2 and (G >> e) >= M:
                 _push_level(idx_ptr, len_ptr, lvl_ptr, tbl, q0, s_q, s_kv, topk, thr, offs, G, G >> e, T, HAS_LEN)
-        # 4. importance-aware clipping of private rows (rows are in importance order)
-        if ICLIP:
+        # 4. private rows: importance-aware clipping (rows are in importance order), and with
+        #    SPLIT the per-query private lists (those rows then leave the tiles: level -1)
+        if ICLIP or SPLIT:
             for k in tl.static_range(G):
                 q = q0 + k
                 lv = tl.load(lvl_ptr + q * topk + offs, mask=offs < topk, other=0).to(tl.int32)
-                sel = lv == 1
-                n = tl.sum(sel.to(tl.int32))
-                r = n % T
-                clip = (r > 0) & (r.to(tl.float32) < thr)
-                drop = sel & clip & ((tl.cumsum(sel.to(tl.int32), 0) - 1) >= n - r)
-                tl.store(lvl_ptr + q * topk + offs, tl.where(drop, 0, lv).to(tl.int8), mask=offs < topk)
-                tl.store(dropped_ptr + q, tl.where(clip, r, 0), mask=q < s_q)
+                if M == 1:
+                    priv = lv == 1
+                else:
+                    m = tl.load(masks_ptr + q * topk + offs, mask=offs < topk, other=0).to(tl.int32) & 0xFFFF
+                    mb = (m >> ((k // M) * M)) & ((1 << M) - 1)
+                    priv = (lv > 0) & (lv < M) & ((mb & (mb - 1)) == 0)
+                n = tl.sum(priv.to(tl.int32))
+                pos = tl.cumsum(priv.to(tl.int32), 0) - 1
+                keep = priv
+                if ICLIP:
+                    r = n % T
+                    clip = (r > 0) & (r.to(tl.float32) < thr)
+                    drop = priv & clip & (pos >= n - r)
+                    lv = tl.where(drop, 0, lv)
+                    keep = priv & (pos < n - tl.where(clip, r, 0))
+                    tl.store(dropped_ptr + q, tl.where(clip, r, 0), mask=q < s_q)
+                if SPLIT:
+                    idx, ok = _load_list(idx_ptr, len_ptr, q, s_q, s_kv, topk, offs, HAS_LEN)
+                    tl.store(priv_idx_ptr + q * topk + pos, idx, mask=keep & (q < s_q))
+                    tl.store(priv_n_ptr + q, tl.sum(keep.to(tl.int32)), mask=q < s_q)
+                    lv = tl.where(keep, -1, lv)
+                tl.store(lvl_ptr + q * topk + offs, lv.to(tl.int8), mask=offs < topk)
         tl.debug_barrier()
         # 5. segments, in order: blocks of level G .. M, then the merged block segments
         off = 0
@@ -202,7 +218,7 @@ def _workspace(device: torch.device, n_prog: int, s_kv: int) -> torch.Tensor:
     return ws
 
 
-def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, method):
+def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, method, split_private=False):
     """Run the fused planner; returns the Plan's tensor fields and the valid-pair count."""
     s_q, topk = indices.shape
     dev = indices.device
@@ -230,6 +246,11 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
     group_rows = torch.empty(n_groups, dtype=torch.int32, device=dev)
     group_valid = torch.empty(n_groups, dtype=torch.int32, device=dev)
     dropped = torch.zeros(s_q, dtype=torch.int32, device=dev)
+    if split_private:
+        priv_idx = torch.full((s_q, topk), -1, dtype=torch.int32, device=dev)
+        priv_n = torch.zeros(s_q, dtype=torch.int32, device=dev)
+    else:
+        priv_idx = priv_n = None
     if dev.type == "cuda":
         n_prog = min(n_groups, PLAN_PROGS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count)
     else:
@@ -238,10 +259,11 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
     _plan_kernel[(n_prog,)](
         indices, topk_length if topk_length is not None else indices, masks, lvl, table,
         tile_kv, tile_mask, tile_level, tile_members, group_tiles, group_rows, dropped, group_valid,
+        priv_idx if split_private else dropped, priv_n if split_private else dropped,
         s_q, s_kv, topk, n_groups, cap, float(thr),
         G=G, M=M, T=T, KP=KP, NTP=NTP, HAS_LEN=topk_length is not None, MASKS_GIVEN=masks_given,
-        ICLIP=bool(importance_clip), num_warps=PLAN_WARPS,
+        ICLIP=bool(importance_clip), SPLIT=bool(split_private), num_warps=PLAN_WARPS,
     )
     parts = dict(tile_kv=tile_kv, tile_mask=tile_mask, tile_level=tile_level, tile_members=tile_members,
-                 group_tiles=group_tiles, group_rows=group_rows, dropped=dropped)
+                 group_tiles=group_tiles, group_rows=group_rows, dropped=dropped, priv_idx=priv_idx, priv_n=priv_n)
     return parts, group_valid.sum(dtype=torch.int64)
