@@ -79,6 +79,7 @@ def sparse_prefill(
     importance_clip: bool = False,
     merge_level: int | None = None,
     split_private: bool = True,
+    fallback: bool = True,
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
@@ -101,7 +102,9 @@ def sparse_prefill(
     merge_level : where the cascade stops; default: the queries one program holds (``64 // h``),
         so that every tile fills a 64-row matrix product.
     split_private : rows one query owns alone run in 16-row query programs instead of 64-row tiles
-        (see ``quilt_attn.plan``); with nothing shared this falls back to query-parallel execution.
+        (see ``quilt_attn.plan``).
+    fallback : run query-parallel when the plan's tile count says sharing would not pay off
+        (little overlap, or ``h >= 64`` where one query fills a tile); decided once per plan.
     d_v : value width (first ``d_v`` columns of kv).
     attn_sink : optional float32 ``[h]``. topk_length : optional int32 ``[s_q]``.
     dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs;
@@ -137,10 +140,15 @@ def sparse_prefill(
                          f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
     if dv_split not in (1, 2) or (dv_split == 2 and (d_v // 2 < 16 or (kv.dtype == torch.uint8 and d_v // 2 % 128))):
         raise ValueError(f"dv_split must be 1 or 2 (2 needs d_v / 2 >= 16), got {dv_split}")
-    from .ops.sparse_attention import launch_sparse_attention, program_shape
+    from .ops.sparse_attention import launch_sparse_attention, program_shape, quilt_pays_off
 
     s_kv = kv.shape[0]
     if method == "query_parallel":
+        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
+                                       attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps,
+                                       num_stages=num_stages)
+    if plan is None and fallback and not importance_clip and program_shape(h, group_size)[0] == 1:
+        # h >= 64: one query already fills a 64-row tile, nothing to share inside it; skip planning
         return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
                                        attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps,
                                        num_stages=num_stages)
@@ -161,5 +169,10 @@ def sparse_prefill(
             raise ValueError(f"plan is on {plan.device} but q is on {q.device}")
     if plan.tile < 16 or not _is_pow2(plan.tile):
         raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
+    if fallback and not plan.importance_clip and not quilt_pays_off(plan, h):
+        # too little is shared to fill 64-row tiles (or one query fills them): run query by query
+        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
+                                       attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps,
+                                       num_stages=num_stages)
     return launch_sparse_attention(q, kv, sm_scale, d_v, plan=plan, attn_sink=attn_sink, dv_split=dv_split,
                                    num_warps=num_warps, num_stages=num_stages)

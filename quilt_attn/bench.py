@@ -102,8 +102,8 @@ def time_ms(fn, warmup: int = 50, rep: int = 300) -> float:
 
 
 def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, importance_clip=False,
-             clip_threshold=0.5, split_private=True, dv_split=1, num_warps=None, num_stages=None,
-             check_rows=256) -> dict:
+             clip_threshold=0.5, split_private=True, fallback=True, dv_split=1, num_warps=None,
+             num_stages=None, check_rows=256) -> dict:
     """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart)."""
     from . import plan as make_plan
     from .api import sparse_prefill
@@ -111,7 +111,7 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
 
     c = inputs.case
     kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
-    pl, plan_ms, kv_tiles = None, 0.0, None
+    pl, plan_ms, kv_tiles, ran_fallback = None, 0.0, None, False
     if method == "quilt":
         if merge_level is None:
             merge_level = program_shape(c.h, group_size)[0]
@@ -125,6 +125,12 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
         if pl.split_private:  # plus the private pass, query by query
             kv_tiles += int(((pl.priv_n + 63) // 64).sum()) * math.ceil(c.h / program_shape(c.h, 1)[1])
         kw["plan"] = pl
+        kw["fallback"] = fallback
+        from .ops.sparse_attention import quilt_pays_off
+
+        ran_fallback = fallback and not importance_clip and not quilt_pays_off(pl, c.h)
+        if ran_fallback:
+            kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
     else:
         kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
     state = {"i": 0}
@@ -147,6 +153,7 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
         "kv_tiles": kv_tiles, "plan_ms": plan_ms,
         "config": {"group_size": group_size if method == "quilt" else 1, "merge_level": merge_level,
                    "split_private": split_private if method == "quilt" else None,
+                   "fell_back_to_query_parallel": ran_fallback,
                    "dv_split": dv_split, "num_warps": num_warps, "num_stages": num_stages,
                    "clip_threshold": clip_threshold},
         "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),

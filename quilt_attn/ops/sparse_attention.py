@@ -30,8 +30,9 @@ def _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c0, FP8: tl.constexpr, BT: t
         # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128 values) | 64 bf16 rope
         raw = tl.load(kv_ptr + rows[:, None] * 656 + cols[None, :])
         sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + c0 // 128 + tl.arange(0, NC // 128)[None, :])
-        val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        k = tl.reshape(tl.reshape(val, [BT, NC // 128, 128]) * sc[:, :, None], [BT, NC]).to(DTYPE)
+        # scales are powers of two: multiplying in DTYPE is exact and keeps no float32 copy of the tile
+        val = raw.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        k = tl.reshape(tl.reshape(val, [BT, NC // 128, 128]) * sc.to(DTYPE)[:, :, None], [BT, NC])
     else:
         k = tl.load(kv_ptr + rows[:, None] * stride_kv + cols[None, :])
     return k
@@ -178,11 +179,38 @@ def program_shape(h: int, group_size: int) -> tuple[int, int]:
 
 
 # (num_warps, num_stages) by matrix rows a program; measured on the H200 (benchmarks/NOTES.md)
-DEFAULT_CONFIG = {16: (4, 2), 32: (4, 2), 64: (8, 3)}
+DEFAULT_CONFIG = {16: (4, 2), 32: (4, 2), 64: (8, 2)}
 
 
 def default_config(rows: int) -> tuple[int, int]:
     return DEFAULT_CONFIG.get(rows, (8, 2))
+
+
+# Time of a 64-row tile over a 16-row one, measured on the H200 (NOTES.md, v1): 1.96.
+TILE64_OVER_TILE16 = 2.0
+
+
+def quilt_pays_off(plan, h: int, margin: float = 0.95) -> bool:
+    """Whether running ``plan`` should beat query-parallel execution at ``h`` heads.
+
+    Counts tile-times: a shared tile costs ``TILE64_OVER_TILE16`` query tiles. One host sync,
+    cached in the plan (a plan is built once and run many times).
+    """
+    import torch
+
+    key = ("pays_off", h)
+    if key not in plan._work:
+        qp, hb = program_shape(h, plan.group_size)
+        if qp == 1:  # one query fills the 64 rows: nothing to share inside a tile
+            plan._work[key] = False
+            return False
+        hb16 = program_shape(h, 1)[1]
+        shared = plan.work_list(qp)[1].sum() * triton.cdiv(h, hb)
+        priv = ((plan.priv_n + 63) // 64).sum() if plan.priv_n is not None else torch.zeros((), device=plan.device)
+        qp_tiles = -(-plan.valid_pairs // 64)  # a lower bound of the query-parallel tile count
+        cost = TILE64_OVER_TILE16 * shared + priv * triton.cdiv(h, hb16)
+        plan._work[key] = bool(cost < margin * qp_tiles * triton.cdiv(h, hb16))
+    return plan._work[key]
 
 
 def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
