@@ -30,9 +30,9 @@ def _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c0, FP8: tl.constexpr, BT: t
         # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128 values) | 64 bf16 rope
         raw = tl.load(kv_ptr + rows[:, None] * 656 + cols[None, :])
         sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + c0 // 128 + tl.arange(0, NC // 128)[None, :])
-        # scales are powers of two: multiplying in DTYPE is exact and keeps no float32 copy of the tile
-        val = raw.to(tl.float8e4nv, bitcast=True).to(DTYPE)
-        k = tl.reshape(tl.reshape(val, [BT, NC // 128, 128]) * sc.to(DTYPE)[:, :, None], [BT, NC])
+        # (dequantizing in DTYPE instead of float32 measured slower: 9.4 vs 8.6 ms, NOTES.md v2)
+        val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k = tl.reshape(tl.reshape(val, [BT, NC // 128, 128]) * sc[:, :, None], [BT, NC]).to(DTYPE)
     else:
         k = tl.load(kv_ptr + rows[:, None] * stride_kv + cols[None, :])
     return k

@@ -1,0 +1,219 @@
+"""Shared fixtures and helpers for the quilt_attn tests.
+
+Markers
+-------
+``gpu``        needs a CUDA GPU; skipped without one.
+``interpret``  runs the Triton kernels on small shapes: on the GPU when there is one, else on the
+               CPU through Triton's interpreter; skipped when neither is possible
+               (no CUDA and ``TRITON_INTERPRET != "1"``).
+
+Tolerances
+----------
+``TOLERANCES`` is the single table of numerical bounds for kernel outputs against the float64
+reference computed on the *same* rounded inputs (so input rounding is not part of the error).
+With ``u`` the unit roundoff of the input dtype (fp16: 2**-11, bf16: 2**-8) the kernels make
+exactly two roundings that reach ``out``:
+
+* the softmax weights ``p = 2**(s - m)`` are rounded to the input dtype before the ``p @ V``
+  product, a relative error <= u per weight (the normaliser ``l`` is summed in float32 from
+  the unrounded weights);
+* the float32 result is rounded to the output dtype, relative error <= u.
+
+Elementwise, ``|out - ref| <= u * sum_j w_j |v_j| + u * |ref|``; with ``|v| <~ 4`` (Gaussian
+data) this is <= 4u + u|ref|, hence ``atol = 4u, rtol = 2u``. Over a whole tensor the weight
+errors have random signs, so the relative L2 error is about ``u / sqrt(3) * sqrt(2)`` ~ 0.8u;
+the bound ``rel_l2 = 2.5u`` (fp16 1.2e-3, bf16 9.8e-3, i.e. the "1e-2" bf16 bound) leaves a factor
+~3 of margin. The logits ``q . k`` are products of dtype values, exact in float32, summed in
+float32 over d_qk <= 576 terms: for the data used here (|s| <~ 30 in base-2 units) the worst
+case is a few 1e-4. lse additionally takes log2 of a float32 sum of <= 2048
+positive terms (relative error <= 2048 * 2**-24 ~ 1.2e-4, i.e. 1.8e-4 in log2). ``stat_atol``
+(2e-3 base-2 units for both dtypes) bounds ``|max_logits - ref|`` and ``|lse - ref|``; it is 5x
+tighter than the ~1e-2 a bf16-input kernel is usually held to, because the reference sees the
+same rounded inputs and only float32 accumulation differs.
+
+Observed on an H200 (bf16, d_qk 576, s_q 512, topk 2048, h 1..128, dense and FP8, both methods):
+out rel-L2 1.93e-3 to 1.94e-3 (bound 9.8e-3), max |out - ref| <= 1.6e-3, max_logits <= 7.2e-6 and
+lse <= 1.9e-6 off (bound 2e-3).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Device on which the (small) kernel tests run: the GPU when present, else the CPU interpreter.
+KERNEL_DEVICE = torch.device("cuda") if HAS_CUDA and not INTERPRET else torch.device("cpu")
+KERNELS_CAN_RUN = HAS_CUDA or INTERPRET
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class Tol:
+    atol: float  # elementwise |out - ref| <= atol + rtol * |ref|
+    rtol: float
+    rel_l2: float  # ||out - ref||_2 / ||ref||_2 over the whole output
+    stat_atol: float  # |max_logits - ref|, |lse - ref| (base-2 units), finite entries
+
+
+_U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+TOLERANCES: dict[torch.dtype, Tol] = {
+    dt: Tol(atol=4 * u, rtol=2 * u, rel_l2=2.5 * u, stat_atol=2e-3) for dt, u in _U.items()
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpret: runs the Triton kernels (GPU, or CPU with TRITON_INTERPRET=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_interp = pytest.mark.skip(reason="kernels need CUDA or TRITON_INTERPRET=1 (run `make test`)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "interpret" in item.keywords and not KERNELS_CAN_RUN:
+            item.add_marker(skip_interp)
+
+
+# ----------------------------------------------------------------------------- inputs
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def randn(*shape, seed: int, dtype=torch.float16, device="cpu", scale: float = 1.0) -> torch.Tensor:
+    """Gaussian data drawn on the CPU (same numbers on every device), never exactly zero."""
+    x = torch.randn(*shape, generator=gen(seed), dtype=torch.float64) * scale
+    x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
+    return x.to(dtype).to(device)
+
+
+def random_indices(s_q: int, s_kv: int, topk: int, *, seed: int, device="cpu") -> torch.Tensor:
+    """int32 ``[s_q, topk]``, each row ``topk`` distinct rows of ``[0, s_kv)`` (duplicate-free)."""
+    g = gen(seed)
+    assert topk <= s_kv
+    rows = torch.argsort(torch.rand(s_q, s_kv, generator=g), dim=1)[:, :topk]
+    return rows.to(torch.int32).to(device)
+
+
+def make_inputs(s_q=16, h=4, s_kv=96, topk=40, *, d_qk=80, d_v=64, dtype=torch.float16, device=None,
+                seed=0, indices=None):
+    """Random ``q [s_q, h, d_qk]``, ``kv [s_kv, d_qk]`` and duplicate-free ``indices [s_q, topk]``."""
+    device = KERNEL_DEVICE if device is None else device
+    q = randn(s_q, h, d_qk, seed=seed, dtype=dtype, device=device)
+    kv = randn(s_kv, d_qk, seed=seed + 1, dtype=dtype, device=device)
+    if indices is None:
+        indices = random_indices(s_q, s_kv, topk, seed=seed + 2, device=device)
+    return q, kv, indices.to(device)
+
+
+def indexer_aligned_inputs(name: str, s_q: int, s_kv: int, topk: int, h: int, *, d_qk: int, dtype, device,
+                           seed: int = 0, beta: float = 2.0, noise: float = 0.5, **overrides):
+    """q / kv whose attention logits follow a workload's indexer model, and that workload's indices.
+
+    The indexer ranks kv row ``r`` for query ``i`` by ``u_i . k_r + bias_r`` (+ a local-window
+    bonus), ``(u, k, bias) = quilt_attn.workloads.indexer_features(...)`` of the preset. Here, with
+    ``sm_scale = beta``::
+
+        logit[i, j, r] = beta * gamma_j * (u_i . k_r + log(1 + bias_r)) + N(0, noise**2)
+
+    ``gamma_j`` in [0.6, 1.4] varies per head. The salience is log-compressed because it is
+    heavy-tailed (up to ~160 at s_kv = 8192): used raw, one row takes all the attention of every
+    query. The local bonus is not a q . k product and is left out of the logits. At the
+    production shape (glm53-like, s_kv 8192, topk 2048, beta 2) the Top-K holds ~95% of the
+    full-context attention mass with ~10-20 effective rows a query, as in a real model the
+    indexer's low-ranked rows carry little mass. ``overrides`` go to the preset (``generate``).
+
+    Returns ``q, kv, indices, sm_scale``.
+    """
+    from quilt_attn.workloads import PRESETS, IndexerParams, generate, indexer_features
+
+    params = IndexerParams(**{**PRESETS[name], **overrides})
+    u, k, bias = indexer_features(s_q, s_kv, params, seed)
+    dim = params.dim
+    rest = d_qk - dim - 1
+    gamma = torch.linspace(0.6, 1.4, h, dtype=torch.float64) if h > 1 else torch.ones(1, dtype=torch.float64)
+    q = torch.empty(s_q, h, d_qk, dtype=torch.float64)
+    q[:, :, :dim] = u.double()[:, None, :] * gamma[None, :, None]
+    q[:, :, dim] = gamma[None, :]
+    q[:, :, dim + 1:] = torch.randn(s_q, h, rest, generator=gen(seed + 11), dtype=torch.float64) * (
+        noise / beta / math.sqrt(rest))
+    kv = torch.empty(s_kv, d_qk, dtype=torch.float64)
+    kv[:, :dim] = k.double()
+    kv[:, dim] = torch.log1p(bias.double())
+    kv[:, dim + 1:] = torch.randn(s_kv, rest, generator=gen(seed + 12), dtype=torch.float64)
+    indices = generate(name, s_q, s_kv, topk, seed=seed, device=device, **overrides)
+    return q.to(dtype).to(device), kv.to(dtype).to(device), indices, float(beta)
+
+
+# ----------------------------------------------------------------------------- NaN poisoning
+@pytest.fixture
+def nan_poison(monkeypatch):
+    """Make ``torch.empty`` return NaN-filled floating tensors for the duration of a test.
+
+    The kernel launcher allocates ``out``, ``max_logits`` and ``lse`` with ``torch.empty``; any
+    element the kernel fails to write then stays NaN and fails the comparison.
+    """
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point() and t.device.type != "meta":
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    return real_empty
+
+
+# ----------------------------------------------------------------------------- comparisons
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    den = torch.linalg.vector_norm(ref)
+    num = torch.linalg.vector_norm(x - ref)
+    return float(num / den) if den > 0 else float(num)
+
+
+def assert_matches_reference(got, ref, dtype, *, tol: Tol | None = None, what: str = ""):
+    """``got`` / ``ref`` are ``(out, max_logits, lse)``; every element is checked.
+
+    out: finite and within ``atol + rtol |ref|`` elementwise, and within ``rel_l2`` overall;
+    max_logits / lse: the same infinities at the same places (empty rows), finite entries within
+    ``stat_atol``; no NaN anywhere.
+    """
+    tol = tol or TOLERANCES[dtype]
+    out, ml, lse = got
+    r_out, r_ml, r_lse = (t.to(out.device) for t in ref)
+    tag = f"[{what}] " if what else ""
+    assert out.dtype == dtype, f"{tag}out dtype {out.dtype}"
+    assert out.shape == r_out.shape and ml.shape == r_ml.shape and lse.shape == r_lse.shape, tag + "shapes"
+    assert ml.dtype == torch.float32 and lse.dtype == torch.float32, tag + "max_logits / lse must be float32"
+    for name, t in (("out", out), ("max_logits", ml), ("lse", lse)):
+        assert not torch.isnan(t).any(), f"{tag}{name} has {int(torch.isnan(t).sum())} NaN (unwritten?)"
+    assert torch.isfinite(out).all(), tag + "out not finite"
+    o, ro = out.double(), r_out.double()
+    err = (o - ro).abs()
+    bound = tol.atol + tol.rtol * ro.abs()
+    bad = err > bound
+    if bad.any():
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise AssertionError(f"{tag}out: {int(bad.sum())}/{bad.numel()} elements out of tolerance; max err "
+                             f"{float(err.max()):.3e}; first at {first}: got {float(o[first]):.6g}, "
+                             f"expected {float(ro[first]):.6g}")
+    e = rel_l2(o, ro)
+    assert e <= tol.rel_l2, f"{tag}out rel-L2 {e:.3e} > {tol.rel_l2:.3e}"
+    for name, t, r in (("max_logits", ml, r_ml), ("lse", lse, r_lse)):
+        inf_ref = torch.isinf(r)
+        assert torch.equal(torch.isinf(t), inf_ref), f"{tag}{name}: infinities differ"
+        assert torch.equal(t[inf_ref], r[inf_ref]), f"{tag}{name}: signs of infinities differ"
+        if (~inf_ref).any():
+            d = (t[~inf_ref].double() - r[~inf_ref].double()).abs().max()
+            assert d <= tol.stat_atol, f"{tag}{name}: max abs err {float(d):.3e} > {tol.stat_atol}"
+    return e

@@ -1,0 +1,182 @@
+"""FP8 KV cache (DeepSeek-V3.2 656-byte layout): layout, round-trip error bound, edge cases, errors.
+
+Error bound of one latent value ``x`` in a group of 128 with power-of-two scale ``s``
+(``s = 2**ceil(log2(amax / 448))``, so ``|x| / s <= 448``, the largest finite e4m3 value, and no
+value saturates):
+
+* ``y = x / s`` is exact (division by a power of two, no float32 underflow for the data here);
+* e4m3 has 3 stored mantissa bits. For a normal ``|y| >= 2**-6`` with ``2**e <= |y| < 2**(e+1)``
+  the spacing is ``2**(e-3)``, so round-to-nearest errs by at most ``2**(e-4) <= 2**-4 * |y|``;
+  for a subnormal ``|y| < 2**-6`` the spacing is ``2**-9``, error ``<= 2**-10``;
+* dequantization ``fp8 * s`` (in float32) is exact.
+
+Hence ``|x - deq(q(x))| <= 2**-4 * |x| + 2**-10 * s`` for every latent element, where ``s`` is its
+group's scale (the absolute term only matters for values below ``2**-6 * s``, i.e. more than
+~2**15 times smaller than the group's largest value). Rope values are stored as bf16 and come
+back exactly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import randn
+from quilt_attn import kv_cache
+from quilt_attn.kv_cache import FP8_BYTES, FP8_REL_ERR, dequantize_fp8, is_fp8_cache, quantize_fp8
+
+
+def scales_of(cache):
+    return cache[:, 512:528].contiguous().view(torch.float32)  # [s_kv, 4]
+
+
+def mixed_magnitude_kv(s_kv=16, seed=0, binades=20):
+    """Rows spanning many binades: per-row magnitudes 2**-binades .. 2**binades, a few tiny values a group."""
+    x = randn(s_kv, 576, seed=seed, dtype=torch.float32)
+    row_scale = torch.exp2(torch.linspace(-binades, binades, s_kv))[:, None]
+    x = x * row_scale
+    x[:, 5] *= 1e-6  # values far below their group's max: e4m3 subnormals / zero after scaling
+    x[:, 300] *= 2**-12
+    return x
+
+
+def test_constants_and_layout_size():
+    assert FP8_BYTES == 656 == 512 + 4 * 4 + 2 * 64
+    assert FP8_REL_ERR == 2.0**-4
+    kv = randn(7, 576, seed=1, dtype=torch.bfloat16)
+    cache = quantize_fp8(kv)
+    assert cache.dtype == torch.uint8 and cache.shape == (7, 656) and cache.is_contiguous()
+    assert is_fp8_cache(cache) and is_fp8_cache(cache[:, None, :])
+    assert not is_fp8_cache(kv) and not is_fp8_cache(torch.zeros(3, 655, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scales_are_powers_of_two_fitting_e4m3(dtype):
+    kv = mixed_magnitude_kv(seed=2, binades=8 if dtype == torch.float16 else 20).to(dtype).float()
+    cache = quantize_fp8(kv.to(dtype))
+    s = scales_of(cache)
+    assert (s > 0).all() and torch.isfinite(s).all()
+    mant, _ = torch.frexp(s)
+    assert (mant == 0.5).all(), "scales must be exact powers of two"
+    amax = kv[:, :512].abs().view(-1, 4, 128).amax(-1)
+    ratio = amax / s
+    # the smallest power of two with amax / s <= 448
+    assert (ratio <= 448).all() and (ratio > 224).all()
+
+
+def test_scale_at_exact_power_of_two_boundary():
+    kv = torch.full((1, 576), 0.5)
+    kv[0, :128] = 448.0 / 8  # amax / 448 = 2**-3 exactly -> scale 2**-3, y = 448 exactly
+    kv[0, 128:256] = 448.0
+    cache = quantize_fp8(kv)
+    assert scales_of(cache)[0, :2].tolist() == [2.0**-3, 1.0]
+    back = dequantize_fp8(cache, torch.float32)
+    assert torch.equal(back[0, :256], kv[0, :256])  # 448 is representable: no saturation error
+
+
+def test_latent_bytes_are_e4m3_of_scaled_values():
+    kv = randn(9, 576, seed=3, dtype=torch.float32)
+    cache = quantize_fp8(kv)
+    s = scales_of(cache)
+    y = (kv[:, :512].view(9, 4, 128) / s[..., None]).view(9, 512)
+    want = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(cache[:, :512], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_bytes_are_the_bf16_values(dtype):
+    kv = randn(6, 576, seed=4, dtype=dtype)
+    cache = quantize_fp8(kv)
+    rope = cache[:, 528:].contiguous().view(torch.bfloat16)
+    assert torch.equal(rope, kv[:, 512:].to(torch.bfloat16))
+    # and they come back bit-exactly
+    back = dequantize_fp8(cache, torch.bfloat16)
+    assert torch.equal(back[:, 512:], kv[:, 512:].to(torch.bfloat16))
+
+
+def test_round_trip_error_bound():
+    kv = mixed_magnitude_kv(s_kv=41, seed=5)
+    cache = quantize_fp8(kv)
+    back = dequantize_fp8(cache, torch.float32)
+    s = scales_of(cache).repeat_interleave(128, dim=1)  # [s_kv, 512] scale of each element
+    x = kv[:, :512]
+    err = (back[:, :512] - x).abs()
+    bound = 2.0**-4 * x.abs() + 2.0**-10 * s
+    assert (err <= bound).all(), f"max excess {float((err - bound).max()):.3e}"
+    # the bound is not vacuous: in the normal range the relative error reaches close to 2**-4
+    normal = x.abs() >= 2.0**-6 * s
+    assert (err[normal] / x[normal].abs()).max() > 2.0**-5
+    # rope: the bf16 rounding of the input only
+    assert torch.equal(back[:, 512:], kv[:, 512:].to(torch.bfloat16).float())
+
+
+def test_round_trip_default_dtype_is_bf16():
+    kv = randn(4, 576, seed=6, dtype=torch.bfloat16)
+    back = dequantize_fp8(quantize_fp8(kv))
+    assert back.dtype == torch.bfloat16 and back.shape == (4, 576)
+    # e4m3 value * power-of-two scale is exact in bf16 (3 mantissa bits < 8)
+    assert torch.equal(back.float(), dequantize_fp8(quantize_fp8(kv), torch.float32))
+
+
+def test_zero_rows_and_groups():
+    kv = randn(4, 576, seed=7, dtype=torch.float32)
+    kv[1] = 0.0  # a zero row
+    kv[2, 128:256] = 0.0  # a zero group inside a non-zero row
+    cache = quantize_fp8(kv)
+    s = scales_of(cache)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    back = dequantize_fp8(cache, torch.float32)
+    assert torch.isfinite(back).all()
+    assert (back[1] == 0).all()
+    assert (back[2, 128:256] == 0).all()
+    err = (back[:, :512] - kv[:, :512]).abs()
+    assert (err <= 2.0**-4 * kv[:, :512].abs() + 2.0**-10 * s.repeat_interleave(128, 1)).all()
+
+
+def test_flashmla_layout_and_noncontiguous_input():
+    kv = randn(5, 576, seed=8, dtype=torch.bfloat16)
+    ref = quantize_fp8(kv)
+    assert torch.equal(quantize_fp8(kv[:, None, :]), ref)
+    wide = randn(5, 2 * 576, seed=8, dtype=torch.bfloat16)
+    view = wide[:, ::2]  # non-contiguous
+    assert torch.equal(quantize_fp8(view), quantize_fp8(view.contiguous()))
+    assert torch.equal(dequantize_fp8(ref[:, None, :]), dequantize_fp8(ref))
+
+
+def test_large_values_do_not_saturate():
+    kv = randn(3, 576, seed=9, dtype=torch.float32) * 1e5
+    back = dequantize_fp8(quantize_fp8(kv), torch.float32)
+    assert (back[:, :512] - kv[:, :512]).abs().le(2.0**-4 * kv[:, :512].abs() + 1e-30).all()
+
+
+# ----------------------------------------------------------------------------- errors
+def test_quantize_errors():
+    with pytest.raises(TypeError, match="kv must be a torch.Tensor"):
+        quantize_fp8([[0.0] * 576])
+    with pytest.raises(ValueError, match="kv must have d_qk = 576"):
+        quantize_fp8(torch.randn(3, 575))
+    with pytest.raises(ValueError, match=r"kv must be \[s_kv, 576\]"):
+        quantize_fp8(torch.randn(576))
+    with pytest.raises(ValueError, match=r"kv must be \[s_kv, 576\]"):
+        quantize_fp8(torch.randn(3, 2, 576))
+    with pytest.raises(TypeError, match="kv must have dtype"):
+        quantize_fp8(torch.randn(3, 576, dtype=torch.float64))
+    with pytest.raises(TypeError, match="kv must have dtype"):
+        quantize_fp8(torch.ones(3, 576, dtype=torch.int32))
+
+
+def test_dequantize_errors():
+    with pytest.raises(TypeError, match="cache must be a torch.Tensor"):
+        dequantize_fp8(None)
+    with pytest.raises(ValueError, match="cache must be uint8"):
+        dequantize_fp8(torch.zeros(3, 655, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="cache must be uint8"):
+        dequantize_fp8(torch.zeros(3, 656, dtype=torch.float32))
+    with pytest.raises(ValueError, match="cache must be uint8"):
+        dequantize_fp8(torch.zeros(656, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="cache must be uint8"):
+        dequantize_fp8(torch.zeros(3, 2, 656, dtype=torch.uint8))
+
+
+def test_module_constants_consistent():
+    assert kv_cache.D_QK == kv_cache.D_NOPE + kv_cache.D_ROPE == 576
+    assert kv_cache.FP8_NUM_SCALES * kv_cache.FP8_GROUP == kv_cache.D_NOPE
