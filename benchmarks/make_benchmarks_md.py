@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 FLASHMLA_MS = {8: 7.98, 16: 7.98, 32: 7.98, 64: 7.98, 128: 15.6}  # sm90, padded to 64 heads (HOPPER-NOTES)
+MARKER = "<!-- hand-written below -->"
 GOAL_MS = {8: 1.8, 16: 3.0, 32: 4.8, 64: 7.6, 128: 15.5}  # glm53-like, bf16
 
 
@@ -66,7 +67,11 @@ def main(path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
-    (root / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
+    target = root / "BENCHMARKS.md"
+    kept = ""  # hand-written sections below the marker survive regeneration
+    if target.exists() and MARKER in target.read_text():
+        kept = target.read_text().split(MARKER, 1)[1]
+    target.write_text("\n".join(lines) + "\n" + MARKER + kept)
 
 
 if __name__ == "__main__":
