@@ -143,15 +143,17 @@ def sparse_prefill(
     from .ops.sparse_attention import launch_sparse_attention, program_shape, quilt_pays_off
 
     s_kv = kv.shape[0]
-    if method == "query_parallel":
+    tuning = dict(attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
+
+    def query_parallel():
         return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
-                                       attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps,
-                                       num_stages=num_stages)
+                                       **tuning)
+
+    if method == "query_parallel":
+        return query_parallel()
     if plan is None and fallback and not importance_clip and program_shape(h, group_size)[0] == 1:
         # h >= 64: one query already fills a 64-row tile, nothing to share inside it; skip planning
-        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
-                                       attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps,
-                                       num_stages=num_stages)
+        return query_parallel()
     if plan is None:
         if merge_level is None:
             merge_level = program_shape(h, group_size)[0]
@@ -171,8 +173,5 @@ def sparse_prefill(
         raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
     if fallback and not plan.importance_clip and not quilt_pays_off(plan, h):
         # too little is shared to fill 64-row tiles (or one query fills them): run query by query
-        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
-                                       attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps,
-                                       num_stages=num_stages)
-    return launch_sparse_attention(q, kv, sm_scale, d_v, plan=plan, attn_sink=attn_sink, dv_split=dv_split,
-                                   num_warps=num_warps, num_stages=num_stages)
+        return query_parallel()
+    return launch_sparse_attention(q, kv, sm_scale, d_v, plan=plan, **tuning)
