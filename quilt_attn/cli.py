@@ -386,7 +386,7 @@ def cmd_demo(args, log: Progress) -> int:
     t0 = time.perf_counter()
     try:
         pl = make_plan(indices, s_kv=s_kv, group_size=group_size, tile=tile, clip_threshold=args.clip_threshold,
-                       merge_level=merge_level)
+                       merge_level=merge_level, split_private=True)
         st = pl.stats
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -395,7 +395,8 @@ def cmd_demo(args, log: Progress) -> int:
     results, first_ms = {}, {}
     for method in ("quilt", "query_parallel"):
         log(f"running {method}" + (" (Triton interpreter)" if not cuda else " (first call compiles)"))
-        kw = dict(plan=pl) if method == "quilt" else {}
+        # the QUILT kernels themselves, even where sparse_prefill would fall back (reported below)
+        kw = dict(plan=pl, fallback=False) if method == "quilt" else {}
         t0 = time.perf_counter()
         try:
             results[method] = sparse_prefill(q, kv, indices, method=method, d_v=d_v, **kw)
@@ -431,8 +432,13 @@ def cmd_demo(args, log: Progress) -> int:
     print(f"  tiles of {tile:<9}: quilt {st['tiles']} vs query-parallel {qp_tiles} "
           f"-> {st['tiles'] / max(1, qp_tiles):.3f}x   (tile utilization {st['tile_utilization']:.1%}, "
           f"per level {st['tiles_per_level']})")
-    print(f"  kernel tile loads : quilt {quilt_loads} x {tile} rows vs query-parallel {qp_loads} x 64 rows "
-          f"-> gathered kv rows {quilt_loads * tile / max(1, qp_loads * 64):.3f}x")
+    priv_loads = int(((pl.priv_n + 63) // 64).sum()) * math.ceil(h / ops.program_shape(h, 1)[1])
+    print(f"  kernel tile loads : quilt {quilt_loads} x {tile} rows shared + {priv_loads} x 64 rows private vs "
+          f"query-parallel {qp_loads} x 64 rows -> gathered kv rows "
+          f"{(quilt_loads * tile + priv_loads * 64) / max(1, qp_loads * 64):.3f}x")
+    pays = ops.quilt_pays_off(pl, h)
+    print(f"  sparse_prefill(method='quilt') at this size runs: "
+          f"{'the QUILT kernels' if pays else 'query-parallel (the plan says sharing would not pay off)'}")
     print()
     if cuda:
         import triton.testing

@@ -208,7 +208,7 @@ def quilt_pays_off(plan, h: int, margin: float = 0.95) -> bool:
         shared = plan.work_list(qp)[1].sum() * triton.cdiv(h, hb)
         priv = ((plan.priv_n + 63) // 64).sum() if plan.priv_n is not None else torch.zeros((), device=plan.device)
         qp_tiles = -(-plan.valid_pairs // 64)  # a lower bound of the query-parallel tile count
-        cost = TILE64_OVER_TILE16 * shared + priv * triton.cdiv(h, hb16)
+        cost = TILE64_OVER_TILE16 * shared * (plan.tile / 64) + priv * triton.cdiv(h, hb16)  # in 64-row-kv units
         plan._work[key] = bool(cost < margin * qp_tiles * triton.cdiv(h, hb16))
     return plan._work[key]
 
