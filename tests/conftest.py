@@ -45,6 +45,8 @@ import pytest
 import torch
 from hypothesis import settings as _hyp_settings
 
+from quilt_attn.workloads import indexer_aligned_inputs  # noqa: F401  (re-exported for the tests)
+
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Device on which the (small) kernel tests run: the GPU when present, else the CPU interpreter.
@@ -113,45 +115,6 @@ def make_inputs(s_q=16, h=4, s_kv=96, topk=40, *, d_qk=80, d_v=64, dtype=torch.f
     if indices is None:
         indices = random_indices(s_q, s_kv, topk, seed=seed + 2, device=device)
     return q, kv, indices.to(device)
-
-
-def indexer_aligned_inputs(name: str, s_q: int, s_kv: int, topk: int, h: int, *, d_qk: int, dtype, device,
-                           seed: int = 0, beta: float = 2.0, noise: float = 0.5, **overrides):
-    """q / kv whose attention logits follow a workload's indexer model, and that workload's indices.
-
-    The indexer ranks kv row ``r`` for query ``i`` by ``u_i . k_r + bias_r`` (+ a local-window
-    bonus), ``(u, k, bias) = quilt_attn.workloads.indexer_features(...)`` of the preset. Here, with
-    ``sm_scale = beta``::
-
-        logit[i, j, r] = beta * gamma_j * (u_i . k_r + log(1 + bias_r)) + N(0, noise**2)
-
-    ``gamma_j`` in [0.6, 1.4] varies per head. The salience is log-compressed because it is
-    heavy-tailed (up to ~160 at s_kv = 8192): used raw, one row takes all the attention of every
-    query. The local bonus is not a q . k product and is left out of the logits. At the
-    production shape (glm53-like, s_kv 8192, topk 2048, beta 2) the Top-K holds ~95% of the
-    full-context attention mass with ~10-20 effective rows a query, as in a real model the
-    indexer's low-ranked rows carry little mass. ``overrides`` go to the preset (``generate``).
-
-    Returns ``q, kv, indices, sm_scale``.
-    """
-    from quilt_attn.workloads import PRESETS, IndexerParams, generate, indexer_features
-
-    params = IndexerParams(**{**PRESETS[name], **overrides})
-    u, k, bias = indexer_features(s_q, s_kv, params, seed)
-    dim = params.dim
-    rest = d_qk - dim - 1
-    gamma = torch.linspace(0.6, 1.4, h, dtype=torch.float64) if h > 1 else torch.ones(1, dtype=torch.float64)
-    q = torch.empty(s_q, h, d_qk, dtype=torch.float64)
-    q[:, :, :dim] = u.double()[:, None, :] * gamma[None, :, None]
-    q[:, :, dim] = gamma[None, :]
-    q[:, :, dim + 1:] = torch.randn(s_q, h, rest, generator=gen(seed + 11), dtype=torch.float64) * (
-        noise / beta / math.sqrt(rest))
-    kv = torch.empty(s_kv, d_qk, dtype=torch.float64)
-    kv[:, :dim] = k.double()
-    kv[:, dim] = torch.log1p(bias.double())
-    kv[:, dim + 1:] = torch.randn(s_kv, rest, generator=gen(seed + 12), dtype=torch.float64)
-    indices = generate(name, s_q, s_kv, topk, seed=seed, device=device, **overrides)
-    return q.to(dtype).to(device), kv.to(dtype).to(device), indices, float(beta)
 
 
 # ----------------------------------------------------------------------------- NaN poisoning

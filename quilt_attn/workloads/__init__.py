@@ -6,6 +6,7 @@ ones. ``save_indices`` / ``load_indices`` move index tensors through ``.npy``, `
 ``.safetensors`` files.
 """
 from .generators import PRESETS, WORKLOADS, IndexerParams, generate, indexer_features, query_positions
+from .aligned import indexer_aligned_inputs
 from .io import FORMATS, load_indices, save_indices
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "WORKLOADS",
     "IndexerParams",
     "generate",
+    "indexer_aligned_inputs",
     "indexer_features",
     "load_indices",
     "query_positions",
