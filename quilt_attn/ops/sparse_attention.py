@@ -17,7 +17,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_ROW_BYTES = 656
 LAST_COMPILED: dict = {}
 
 

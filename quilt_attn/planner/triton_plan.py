@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .membership import member_masks
-from .plan import levels_desc, segment_count, tile_capacity
+from .plan import tile_capacity
 
 _WORKSPACE: dict = {}
 PLAN_WARPS = 16  # measured on the H200: see benchmarks/NOTES.md
