@@ -10,7 +10,9 @@ One kernel body serves both methods. A program owns ``M = QP * HB`` matrix rows
   its row, so one gathered (and dequantized) tile serves all of its owners in one matrix product.
 
 Each row keeps an online-softmax state (base 2) across all the tiles of its query, whatever
-cascade level they come from, so no partial states are written.
+cascade level they come from. When the plan splits private rows off (``split_private``), a second,
+query-parallel pass continues that state from the first (one float32 partial state a query) over
+the rows that query owns alone, which a 64-row tile would compute mostly masked.
 """
 from __future__ import annotations
 
