@@ -186,3 +186,50 @@ def save(rows, path: str, extra: dict | None = None) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+
+
+# The recorded benchmark grid (benchmarks/results/<gpu>.json): realistic workloads first.
+GRID = [  # (workload, kv, heads, methods)
+    ("glm53-like", "bf16", (8, 16, 32, 64, 128), ("query_parallel", "quilt")),
+    ("glm53-like", "bf16", (8, 16), ("quilt+iclip",)),
+    ("ds32-like", "bf16", (8, 16, 32), ("query_parallel", "quilt")),
+    ("qasper-like", "bf16", (8, 16), ("query_parallel", "quilt")),
+    ("random", "bf16", (16, 64), ("query_parallel", "quilt")),
+    ("glm53-like", "fp8", (8, 16, 64), ("query_parallel", "quilt")),
+]
+
+
+def run_grid(out: str, *, grid=None, only=None, extra: dict | None = None, log=None, case_kwargs=None) -> list[dict]:
+    """Run ``grid`` (default ``GRID``), one input set per (workload, kv, h), then its methods.
+
+    Speedup = query-parallel ms / ms. A failing configuration is recorded as an error row and the
+    run goes on. Rows are saved to ``out`` (with ``environment()`` and ``extra``) after every input
+    set. ``only``: workloads to keep (None: all). ``case_kwargs``: extra ``Case`` fields (s_q, ...).
+    GPU only.
+    """
+    log = log or (lambda msg: print(msg, flush=True))
+    rows: list[dict] = []
+    t0 = time.time()
+    for wl, kv, heads, methods in (GRID if grid is None else grid):
+        if only and wl not in only:
+            continue
+        for h in heads:
+            inp = make_inputs(Case(wl, h, kv=kv, **(case_kwargs or {})))
+            for m in methods:
+                try:
+                    r = run_case(inp, m.replace("+iclip", ""), importance_clip=m.endswith("+iclip"))
+                except Exception as e:  # recorded, not hidden
+                    r = {"method": m, "workload": wl, "kv": kv, "h": h, "error": f"{type(e).__name__}: {e}"[:400]}
+                    log(f"ERROR {r}")
+                    rows.append(r)
+                    continue
+                base = [x for x in rows if x.get("method") == "query_parallel" and x["workload"] == wl
+                        and x["kv"] == kv and x["h"] == h and "ms" in x]
+                if base:
+                    r["speedup_vs_query_parallel"] = base[0]["ms"] / r["ms"]
+                rows.append(r)
+                log(f"[{time.time() - t0:6.1f}s] " + format_rows([r]).splitlines()[1])
+            del inp
+            torch.cuda.empty_cache()
+            save(rows, out, extra)
+    return rows

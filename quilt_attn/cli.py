@@ -6,7 +6,8 @@ Subcommands::
     quilt-attn plan    --workload ds32-like --group-size 8 --tile 64 --merge-level 4
     quilt-attn demo                       # plan + QUILT + query-parallel, checked against the reference
     quilt-attn bench   --heads 16,64 --workloads glm53-like --kv bf16    # GPU only
-    quilt-attn report                     # not implemented yet
+    quilt-attn report  --out-dir DIR      # evaluation: GPU grid + layer proxy + BENCHMARKS.md;
+                                          # CPU: overlap profiles + clipping study only
 
 Results go to stdout; progress lines (``[  12.3s] step ...``) go to stderr (``--quiet`` drops them).
 
@@ -19,8 +20,8 @@ process. A variable you set yourself is left alone. Interpreter timings measure 
 and say nothing about kernel speed.
 
 Exit codes: 0 success; 1 a correctness check failed (``demo``) or a benchmark configuration
-failed or missed its tolerance (``bench``); 2 bad arguments, no CUDA device for ``bench``, or
-``report`` (not implemented yet).
+failed or missed its tolerance (``bench``) or a grid configuration failed (``report``); 2 bad
+arguments, or no CUDA device for ``bench``.
 """
 from __future__ import annotations
 
@@ -614,9 +615,139 @@ def _release() -> None:
 
 # -------------------------------------------------------------------------------- report
 
+REPORT_PARTS = ("grid", "overlap", "clip", "layer")
+REPORT_GPU_PARTS = ("grid", "layer")
+# clipping study: the recorded size on a GPU machine (it runs on the CPU either way), a small one CPU-only
+CLIP_GPU = dict(s_q=256, s_kv=65536, topk=2048, heads=16)
+CLIP_CPU = dict(s_q=32, s_kv=8192, topk=512, heads=16)
+
+
+def _report_md(path, env: dict, command: str, sections: dict, skipped: list[str]) -> None:
+    lines = ["# quilt-attn report", "", f"Command: `{command}`", "",
+             f"GPU: {env['gpu']}; commit `{env['commit']}`; {env['date']}; versions {env['versions']}.", ""]
+    if skipped:
+        lines += [f"Skipped (need a CUDA GPU): {', '.join(skipped)}.", ""]
+    if "overlap" in sections:
+        lines += ["## Overlap profiles of the presets", ""]
+        for e in sections["overlap"]:
+            lines += [f"### {e['workload']} (s_q {e['s_q']}, s_kv {e['s_kv']}, topk {e['topk']})", "", "```",
+                      e["table"], "```", ""]
+    if "clip" in sections:
+        lines += ["## Importance-aware clipping accuracy (float64 reference, indexer-aligned q / kv)", "",
+                  "| workload | tau | s_q / s_kv / topk / h | pairs dropped | dropped mass mean / max | rel-L2 | "
+                  "min cosine | tiles saved |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sections["clip"]:
+            lines.append(f"| {r['workload']} | {r['clip_threshold']:g} | {r['s_q']} / {r['s_kv']} / {r['topk']} / "
+                         f"{r['heads']} | {r['dropped_pair_fraction']:.2%} | {r['dropped_mass_mean']:.1e} / "
+                         f"{r['dropped_mass_max']:.1e} | {r['rel_err']:.1e} | {r['cosine_min']:.5f} | "
+                         f"{r['tiles_saved_fraction']:.1%} |")
+        lines.append("")
+    if "layer" in sections:
+        lines += ["## DSA layer proxy (one layer, random weights, no MoE / FFN / communication: "
+                  "attention's share of one layer, not TTFT)", "",
+                  "| h | workload | method | total ms | attention ms | share | layer speedup vs query-parallel |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sections["layer"]:
+            sp = r.get("layer_speedup_vs_query_parallel")
+            lines.append(f"| {r['heads']} | {r['workload']} | {r['method']} | {r['stages_ms']['total']:.2f} | "
+                         f"{r['stages_ms']['attention']:.2f} | {r['attention_share']:.0%} | "
+                         f"{f'{sp:.2f}x' if sp else ''} |")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
 def cmd_report(args, log: Progress) -> int:
-    print(f"{PROG} report: not implemented yet", file=sys.stderr)
-    return 2
+    import torch
+
+    from .bench import environment
+    from .report import REPO_ROOT, clip_accuracy, overlap_presets, write_benchmarks_md, write_json
+
+    gpu = torch.cuda.is_available() and not args.cpu_only
+    command = " ".join([PROG, *args.argv])
+    parts = [p for p in REPORT_PARTS if p not in (args.skip or [])]
+    skipped = [] if gpu else [p for p in parts if p in REPORT_GPU_PARTS]
+    parts = [p for p in parts if gpu or p not in REPORT_GPU_PARTS]
+    if args.out_dir is None:
+        if not gpu:
+            raise UsageError("argument --out-dir: required without a CUDA GPU (a CPU run never writes into the "
+                             "repository's benchmarks/results or BENCHMARKS.md)")
+        out_dir = REPO_ROOT / "benchmarks" / "results"
+    else:
+        from pathlib import Path
+
+        out_dir = Path(args.out_dir).resolve()
+        if not gpu and out_dir in (REPO_ROOT.resolve(), (REPO_ROOT / "benchmarks" / "results").resolve()):
+            raise UsageError(f"argument --out-dir: a CPU run does not write into {out_dir} (recorded GPU results)")
+    os.makedirs(out_dir, exist_ok=True)
+    env = environment()
+    meta = dict(env, command=command)
+    clip_sizes = dict(CLIP_GPU if gpu else CLIP_CPU)
+    clip_sizes.update({k: getattr(args, f"clip_{k}") for k in clip_sizes if getattr(args, f"clip_{k}") is not None})
+    log(f"report on {env['gpu']}: parts {', '.join(parts) or 'none'}; skipped {', '.join(skipped) or 'none'}; "
+        f"output in {out_dir}")
+    sections, written, status = {}, [], 0
+
+    if "grid" in parts:
+        from .bench import format_rows, run_grid
+
+        grid_json = out_dir / f"{gpu_slug(env['gpu'])}.json"
+        log(f"benchmark grid -> {grid_json}")
+        rows = run_grid(str(grid_json), only=args.only, extra={"command": command}, log=log)
+        print(format_rows([r for r in rows if "ms" in r]))
+        written.append(str(grid_json))
+        if any("error" in r for r in rows):
+            status = 1
+        if args.no_benchmarks_md or args.only:
+            log("BENCHMARKS.md not written (--no-benchmarks-md or a partial grid with --only)")
+        else:
+            target = write_benchmarks_md(str(grid_json))
+            written.append(str(target))
+            print(f"{target} written")
+
+    if "overlap" in parts:
+        dev = "cuda" if gpu else "cpu"
+        log(f"overlap profiles of {', '.join(args.overlap_workloads)}: s_q={args.overlap_s_q} "
+            f"s_kv={args.overlap_s_kv} topk={args.overlap_topk} on {dev}")
+        prof = overlap_presets(args.overlap_workloads, s_q=args.overlap_s_q, s_kv=args.overlap_s_kv,
+                               topk=args.overlap_topk, device=dev, plot_dir=None if args.no_plots else out_dir)
+        for e in prof:
+            print(f"workload: {e['workload']}")
+            print(e["table"])
+            written += [e["plot"]] if "plot" in e else []
+        sections["overlap"] = prof
+        path = out_dir / "overlap_presets.json"
+        write_json(path, dict(meta, rows=[{k: v for k, v in e.items() if k != "table"} for e in prof]))
+        written.append(str(path))
+
+    if "clip" in parts:
+        log(f"clipping accuracy: {clip_sizes}, thresholds {args.clip_thresholds}")
+        rows = clip_accuracy(args.clip_workloads, args.clip_thresholds, log=log, **clip_sizes)
+        sections["clip"] = rows
+        path = out_dir / ("clip_accuracy.json" if gpu else "clip_accuracy_small.json")
+        write_json(path, dict(meta, rows=rows))
+        written.append(str(path))
+
+    if "layer" in parts:
+        from .layer import layer_proxy
+
+        log(f"DSA layer proxy: heads {args.layer_heads}, query_parallel vs quilt")
+        rows = layer_proxy(heads=args.layer_heads, workloads=args.layer_workloads, reps=args.layer_reps, log=log)
+        sections["layer"] = rows
+        path = out_dir / "layer_proxy.json"
+        write_json(path, dict(meta, rows=rows))
+        written.append(str(path))
+
+    md = out_dir / "report.md"
+    _report_md(md, env, command, sections, skipped)
+    written.append(str(md))
+    index = out_dir / "report.json"
+    write_json(index, dict(meta, parts=parts, skipped_need_gpu=skipped, files=written))
+    if skipped:
+        print(f"skipped (need a CUDA GPU): {', '.join(skipped)}")
+    print(f"report written to {out_dir}: {', '.join(os.path.basename(w) for w in written + [str(index)])}")
+    log("done")
+    return status
 
 
 # -------------------------------------------------------------------------------- parser
@@ -780,8 +911,53 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_bench)
 
     # report
-    sp = sub.add_parser("report", formatter_class=fmt, help="(not implemented yet)",
-                        description="Summarise benchmark results. Not implemented yet: exits with status 2.")
+    from .report import OVERLAP_PRESETS
+
+    sp = sub.add_parser(
+        "report", formatter_class=fmt, help="benchmark grid, overlap, clipping accuracy, layer proxy; BENCHMARKS.md",
+        description="Run the project's evaluation and write it to --out-dir (JSON with command, GPU, commit and "
+                    "versions; report.md; plots).\n\n"
+                    "With a CUDA GPU: the benchmark grid (quilt_attn.bench.GRID, as benchmarks/run_grid.py), the "
+                    "overlap profiles of the presets, the importance-clipping accuracy study (as "
+                    "benchmarks/clip_accuracy.py; float64 on the CPU), and the DSA layer proxy "
+                    "(quilt_attn.layer: one layer, random weights, query_parallel vs quilt with preset indices); "
+                    "then BENCHMARKS.md from the grid (as benchmarks/make_benchmarks_md.py; hand-written text "
+                    "below its marker is kept). Default --out-dir there: benchmarks/results.\n"
+                    "Without one (or with --cpu-only): only the overlap profiles and the clipping study at a small "
+                    f"size (s_q {CLIP_CPU['s_q']}, s_kv {CLIP_CPU['s_kv']}, topk {CLIP_CPU['topk']}); the GPU "
+                    "parts are listed as skipped; --out-dir is required and BENCHMARKS.md and benchmarks/results "
+                    "are never written.\n\nExit code 1 when a grid configuration failed.")
+    sp.add_argument("--out-dir", metavar="DIR", help="output folder (required without a GPU; default on a GPU: "
+                                                     "benchmarks/results)")
+    sp.add_argument("--cpu-only", action="store_true", help="run the CPU parts only, even with a GPU")
+    sp.add_argument("--skip", type=_choice_list(REPORT_PARTS), metavar="P,P,...",
+                    help=f"parts to leave out, from: {', '.join(REPORT_PARTS)}")
+    sp.add_argument("--only", type=_choice_list(WORKLOADS), metavar="W,W,...",
+                    help="grid: keep these workloads (a partial grid does not rewrite BENCHMARKS.md)")
+    sp.add_argument("--no-benchmarks-md", action="store_true", help="GPU: do not rewrite BENCHMARKS.md")
+    sp.add_argument("--no-plots", action="store_true", help="no overlap PNGs")
+    og = sp.add_argument_group("overlap profiles")
+    og.add_argument("--overlap-workloads", type=_choice_list(WORKLOADS), default=list(OVERLAP_PRESETS),
+                    metavar="W,W,...", help=f"(default: {','.join(OVERLAP_PRESETS)})")
+    og.add_argument("--overlap-s-q", type=_pos_int, default=CPU_SIZES["s_q"], metavar="N",
+                    help=f"(default: {CPU_SIZES['s_q']})")
+    og.add_argument("--overlap-s-kv", type=_pos_int, default=CPU_SIZES["s_kv"], metavar="N",
+                    help=f"(default: {CPU_SIZES['s_kv']})")
+    og.add_argument("--overlap-topk", type=_pos_int, default=CPU_SIZES["topk"], metavar="K",
+                    help=f"(default: {CPU_SIZES['topk']})")
+    cg = sp.add_argument_group("clipping accuracy")
+    cg.add_argument("--clip-workloads", type=_choice_list(WORKLOADS), default=["glm53-like", "ds32-like"],
+                    metavar="W,W,...", help="(default: glm53-like,ds32-like)")
+    cg.add_argument("--clip-thresholds", type=lambda t: [_unit_float(x) for x in t.split(",") if x.strip()],
+                    default=[0.25, 0.5, 0.75, 1.0], metavar="T,T,...", help="(default: 0.25,0.5,0.75,1.0)")
+    for k in ("s_q", "s_kv", "topk", "heads"):
+        cg.add_argument(f"--clip-{k.replace('_', '-')}", type=_pos_int, metavar="N",
+                        help=f"(default: {CLIP_GPU[k]} with a GPU, {CLIP_CPU[k]} without)")
+    lg = sp.add_argument_group("layer proxy (GPU)")
+    lg.add_argument("--layer-heads", type=_int_list, default=[16, 128], metavar="H,H,...", help="(default: 16,128)")
+    lg.add_argument("--layer-workloads", type=_choice_list(WORKLOADS), default=["glm53-like", "ds32-like"],
+                    metavar="W,W,...", help="preset indices injected (default: glm53-like,ds32-like)")
+    lg.add_argument("--layer-reps", type=_pos_int, default=5, metavar="N", help="timed calls, median (default: 5)")
     common(sp)
     sp.set_defaults(func=cmd_report)
     return p
@@ -796,6 +972,7 @@ def main(argv=None) -> int:
     _ensure_interpreter()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     log = Progress(quiet=getattr(args, "quiet", False))
     try:
         return args.func(args, log)

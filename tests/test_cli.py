@@ -79,6 +79,7 @@ def test_help_options_are_the_requested_ones():
     assert {"--s-q", "--s-kv", "--topk", "--heads", "--workload"} <= set(_options("demo"))
     assert {"--heads", "--workloads", "--kv", "--methods", "--s-q", "--s-kv", "--topk", "--out",
             "--configs"} <= set(_options("bench"))
+    assert {"--out-dir", "--cpu-only", "--skip", "--clip-s-q", "--overlap-s-q", "--layer-heads"} <= set(_options("report"))
 
 
 def test_python_dash_m_help():
@@ -260,6 +261,106 @@ def test_bad_values_exit_2_with_message(argv, needle, capsys):
     assert needle in err and "error" in err
 
 
-def test_report_is_a_stub(capsys):
-    assert main(["report"]) == 2
-    assert "not implemented" in capsys.readouterr().err
+# ---------------------------------------------------------------------------------- report
+
+TINY_REPORT = ["--overlap-s-q", "64", "--overlap-s-kv", "1024", "--overlap-topk", "64", "--clip-s-q", "16",
+               "--clip-s-kv", "1024", "--clip-topk", "64", "--clip-thresholds", "0.5", "-q"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of report")
+def test_report_cpu_path_writes_out_dir_only(tmp_path, capsys):
+    protected = [REPO / "BENCHMARKS.md", REPO / "benchmarks" / "results" / "h200.json"]
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in protected}
+    out = tmp_path / "rep"
+    assert main(["report", "--out-dir", str(out), *TINY_REPORT]) == 0
+    cap = capsys.readouterr()
+    assert "skipped (need a CUDA GPU): grid, layer" in cap.out
+    assert "workload: govreport-like" in cap.out and "cascaded 8->1" in cap.out
+    names = {p.name for p in out.iterdir()}
+    assert {"overlap_presets.json", "clip_accuracy_small.json", "report.md", "report.json",
+            "overlap_glm53-like.png"} <= names
+    assert not names & {"BENCHMARKS.md", "h200.json", "layer_proxy.json"}
+    for name in ("overlap_presets.json", "clip_accuracy_small.json", "report.json"):
+        doc = json.loads((out / name).read_text())
+        assert doc["command"].startswith("quilt-attn report --out-dir") and doc["gpu"] == "cpu"
+        assert doc["commit"] and {"torch", "triton", "python"} <= set(doc["versions"])
+    ov = json.loads((out / "overlap_presets.json").read_text())["rows"]
+    assert [r["workload"] for r in ov] == ["glm53-like", "ds32-like", "qasper-like", "govreport-like"]
+    assert all(r["s_q"] == 64 and r["topk"] == 64 for r in ov)
+    clip = json.loads((out / "clip_accuracy_small.json").read_text())["rows"]
+    assert [(r["workload"], r["clip_threshold"], r["s_q"], r["s_kv"]) for r in clip] == \
+        [("glm53-like", 0.5, 16, 1024), ("ds32-like", 0.5, 16, 1024)]
+    idx = json.loads((out / "report.json").read_text())
+    assert idx["parts"] == ["overlap", "clip"] and idx["skipped_need_gpu"] == ["grid", "layer"]
+    assert "Skipped (need a CUDA GPU): grid, layer" in (out / "report.md").read_text()
+    for p in protected:
+        assert (p.read_bytes(), p.stat().st_mtime_ns) == before[p]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of report")
+def test_report_cpu_needs_out_dir_and_keeps_out_of_results(capsys):
+    assert main(["report", "-q"]) == 2
+    assert "--out-dir" in capsys.readouterr().err
+    assert main(["report", "--out-dir", str(REPO / "benchmarks" / "results"), "-q"]) == 2
+    assert "--out-dir" in capsys.readouterr().err
+
+
+def test_report_skip_and_cpu_only(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["report", "--cpu-only", "--out-dir", str(out), "--skip", "clip", "--no-plots",
+                 "--overlap-workloads", "ds32-like", *TINY_REPORT]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["overlap_presets.json", "report.json", "report.md"]
+    assert json.loads((out / "report.json").read_text())["parts"] == ["overlap"]
+
+
+def test_report_md_from_results_keeps_hand_written_part(tmp_path):
+    """write_benchmarks_md (the logic of benchmarks/make_benchmarks_md.py) on a fabricated results file."""
+    from quilt_attn.report import MARKER, write_benchmarks_md
+
+    row = {"method": "quilt", "workload": "glm53-like", "kv": "bf16", "h": 16, "ms": 6.9, "tflops": 300.0,
+           "kv_tiles": 123, "plan_ms": 2.3, "rel_err": 2e-3, "speedup_vs_query_parallel": 1.2,
+           "config": {"fell_back_to_query_parallel": False}}
+    res = tmp_path / "results" / "g.json"
+    res.parent.mkdir()
+    res.write_text(json.dumps({"gpu": "NVIDIA H200", "commit": "abc", "date": "d", "versions": {},
+                               "rows": [row, {"method": "quilt", "workload": "x", "kv": "bf16", "h": 8, "error": "e"}]}))
+    md = tmp_path / "B.md"
+    md.write_text("old\n" + MARKER + "\nhand-written\n")
+    write_benchmarks_md(str(res), target=md, root=tmp_path)
+    text = md.read_text()
+    assert "| glm53-like | bf16 | 16 | quilt | 6.90 |" in text and "1.20x" in text
+    assert text.endswith(MARKER + "\nhand-written\n") and "old" not in text
+    assert "results/g.json" in text and (tmp_path / "results" / "g.png").exists()
+
+
+def test_report_gpu_path_wiring(tmp_path, monkeypatch, capsys):
+    """The GPU path with the GPU work stubbed out: grid -> JSON -> BENCHMARKS.md writer, layer proxy JSON."""
+    import quilt_attn.bench as bench
+    import quilt_attn.layer as layer
+    import quilt_attn.report as report
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "NVIDIA H200", "commit": "c", "date": "d",
+                                                       "versions": {"torch": "t"}})
+
+    def fake_grid(out, *, only=None, extra=None, log=None, **kw):
+        calls["grid"] = (out, only, extra)
+        Path(out).write_text("{}")
+        return [{"method": "quilt", "workload": "glm53-like", "kv": "bf16", "h": 8, "error": "boom"}]
+
+    monkeypatch.setattr(bench, "run_grid", fake_grid)
+    monkeypatch.setattr(report, "write_benchmarks_md", lambda path: calls.setdefault("md", path) and tmp_path / "B.md")
+    monkeypatch.setattr(layer, "layer_proxy", lambda **kw: calls.setdefault("layer", kw) and [
+        {"heads": 16, "workload": "glm53-like", "method": "quilt", "stages_ms": {"total": 2.0, "attention": 1.0},
+         "attention_share": 0.5, "layer_speedup_vs_query_parallel": 1.1}])
+    out = tmp_path / "gpu"
+    assert main(["report", "--out-dir", str(out), "--skip", "overlap,clip", "-q"]) == 1  # the grid had an error
+    assert calls["grid"][0] == str(out / "nvidia-h200.json") and calls["grid"][2]["command"].startswith("quilt-attn")
+    assert calls["md"] == str(out / "nvidia-h200.json")
+    assert calls["layer"]["heads"] == [16, 128]
+    doc = json.loads((out / "layer_proxy.json").read_text())
+    assert doc["gpu"] == "NVIDIA H200" and doc["rows"][0]["heads"] == 16
+    assert json.loads((out / "report.json").read_text())["skipped_need_gpu"] == []
+    assert "| 16 | glm53-like | quilt | 2.00 | 1.00 | 50% | 1.10x |" in (out / "report.md").read_text()
