@@ -140,7 +140,7 @@ def sparse_prefill(
                          f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
     if dv_split not in (1, 2) or (dv_split == 2 and (d_v // 2 < 16 or (kv.dtype == torch.uint8 and d_v // 2 % 128))):
         raise ValueError(f"dv_split must be 1 or 2 (2 needs d_v / 2 >= 16), got {dv_split}")
-    from .ops.sparse_attention import launch_sparse_attention, program_shape, quilt_pays_off
+    from .ops.sparse_attention import launch_sparse_attention, program_shape, runs_quilt
 
     s_kv = kv.shape[0]
     tuning = dict(attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
@@ -171,7 +171,7 @@ def sparse_prefill(
             raise ValueError(f"plan is on {plan.device} but q is on {q.device}")
     if plan.tile < 16 or not _is_pow2(plan.tile):
         raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
-    if fallback and not plan.importance_clip and not quilt_pays_off(plan, h):
+    if not runs_quilt(plan, h, fallback):
         # too little is shared to fill 64-row tiles (or one query fills them): run query by query
         return query_parallel()
     return launch_sparse_attention(q, kv, sm_scale, d_v, plan=plan, **tuning)

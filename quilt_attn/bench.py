@@ -107,7 +107,7 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart)."""
     from . import plan as make_plan
     from .api import sparse_prefill
-    from .ops.sparse_attention import LAST_COMPILED, program_shape
+    from .ops.sparse_attention import LAST_COMPILED, program_shape, runs_quilt
 
     c = inputs.case
     kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
@@ -126,12 +126,8 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
             kv_tiles += int(((pl.priv_n + 63) // 64).sum()) * math.ceil(c.h / program_shape(c.h, 1)[1])
         kw["plan"] = pl
         kw["fallback"] = fallback
-        from .ops.sparse_attention import quilt_pays_off
-
-        ran_fallback = fallback and not importance_clip and not quilt_pays_off(pl, c.h)
-        if ran_fallback:
-            kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
-    else:
+        ran_fallback = not runs_quilt(pl, c.h, fallback)
+    if method != "quilt" or ran_fallback:
         kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
     state = {"i": 0}
 

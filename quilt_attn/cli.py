@@ -437,7 +437,7 @@ def cmd_demo(args, log: Progress) -> int:
     print(f"  kernel tile loads : quilt {quilt_loads} x {tile} rows shared + {priv_loads} x 64 rows private vs "
           f"query-parallel {qp_loads} x 64 rows -> gathered kv rows "
           f"{(quilt_loads * tile + priv_loads * 64) / max(1, qp_loads * 64):.3f}x")
-    pays = ops.quilt_pays_off(pl, h)
+    pays = ops.runs_quilt(pl, h)
     print(f"  sparse_prefill(method='quilt') at this size runs: "
           f"{'the QUILT kernels' if pays else 'query-parallel (the plan says sharing would not pay off)'}")
     print()

@@ -214,6 +214,14 @@ def quilt_pays_off(plan, h: int, margin: float = 0.95) -> bool:
     return plan._work[key]
 
 
+
+def runs_quilt(plan, h: int, fallback: bool = True) -> bool:
+    """Whether ``sparse_prefill`` runs the QUILT kernels for ``plan`` (else the query-parallel one).
+
+    Importance clipping always runs QUILT: its plan drops pairs that query-parallel would keep.
+    """
+    return not fallback or plan.importance_clip or quilt_pays_off(plan, h)
+
 def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
             attn_sink=None, init=None, partial=False, dv_split=1, num_warps=None, num_stages=None):
     """One kernel pass over ``plan``'s tiles or, without a plan, over ``indices`` query by query."""
