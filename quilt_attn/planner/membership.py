@@ -33,14 +33,10 @@ def check_group_size(group_size: int, max_group: int = 16) -> int:
     return group_size
 
 
-def _padded_rows(indices: torch.Tensor, valid: torch.Tensor, group_size: int):
-    """Pad ``s_q`` up to a multiple of the group size with empty (invalid) rows."""
-    s_q, topk = indices.shape
-    pad = (-s_q) % group_size
-    if pad:
-        indices = torch.cat([indices, indices.new_full((pad, topk), -1)])
-        valid = torch.cat([valid, valid.new_zeros((pad, topk))])
-    return indices, valid
+def pad_to_groups(x: torch.Tensor, group_size: int, fill: int) -> torch.Tensor:
+    """Append rows of ``fill`` so that ``x [s_q, ...]`` has a multiple of ``group_size`` rows (empty queries)."""
+    pad = (-x.shape[0]) % group_size
+    return torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)]) if pad else x
 
 
 def _masks_sort(idx: torch.Tensor, valid: torch.Tensor, G: int) -> torch.Tensor:
@@ -121,7 +117,7 @@ def member_masks(
     topk_length = check_topk_length(topk_length, s_q, indices.device)
     bound = s_kv if s_kv is not None else torch.iinfo(torch.int32).max
     valid = valid_index_mask(indices, bound, topk_length)
-    idx, valid_p = _padded_rows(indices, valid, G)
+    idx, valid_p = pad_to_groups(indices, G, -1), pad_to_groups(valid, G, False)
     if method == "sort":
         masks = _masks_sort(idx, valid_p, G)
     else:

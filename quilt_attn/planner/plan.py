@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import canonical_indices, check_topk_length
-from .membership import METHODS, cascade_levels, check_group_size, member_masks
+from .membership import METHODS, cascade_levels, check_group_size, member_masks, pad_to_groups
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -368,12 +368,7 @@ def plan(
                                          split_private)
     else:
         masks, valid = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method=method)
-        pad = (-s_q) % G
-        idx = indices
-        if pad:
-            idx = torch.cat([idx, idx.new_full((pad, topk), -1)])
-            masks = torch.cat([masks, masks.new_zeros((pad, topk))])
-            valid = torch.cat([valid, valid.new_zeros((pad, topk))])
+        idx, masks, valid = pad_to_groups(indices, G, -1), pad_to_groups(masks, G, 0), pad_to_groups(valid, G, False)
         parts = _plan_torch(idx, valid, masks, G, M, tile, thr, importance_clip, split_private)
         for k in ("dropped", "priv_idx", "priv_n"):
             parts[k] = parts[k][:s_q] if parts[k] is not None else None

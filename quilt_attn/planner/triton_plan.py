@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .membership import member_masks
+from .membership import member_masks, pad_to_groups
 from .plan import tile_capacity
 
 _WORKSPACE: dict = {}
@@ -233,7 +233,7 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
     masks_given = method == "sort"
     if masks_given:
         masks, _ = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method="sort")
-        masks = torch.cat([masks, masks.new_zeros(rows - s_q, topk)]) if rows > s_q else masks
+        masks = pad_to_groups(masks, G, 0)
         masks = masks.to(torch.int16).contiguous()  # G <= 16 bits
     else:
         masks = torch.empty(rows, topk, dtype=torch.int16, device=dev)
