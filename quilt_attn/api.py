@@ -20,6 +20,7 @@ from .planner import Plan, plan as make_plan
 from .reference import sparse_prefill_reference
 
 METHODS = ("quilt", "query_parallel", "reference")
+BACKENDS = ("auto", "triton", "cuda")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -86,6 +87,7 @@ def sparse_prefill(
     dv_split: int = 1,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    backend: str = "auto",
 ):
     """Top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
 
@@ -109,6 +111,9 @@ def sparse_prefill(
     attn_sink : optional float32 ``[h]``. topk_length : optional int32 ``[s_q]``.
     dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs;
         None: measured defaults by program shape).
+    backend : ``"triton"`` (portable), ``"cuda"`` (Hopper sm_90a kernel, compiled with nvcc on first
+        use; d_qk 576 / d_v 512; an FP8 cache is expanded to bf16 once per call) or ``"auto"``
+        (see ``choose_backend``).
 
     Returns
     -------
@@ -134,7 +139,15 @@ def sparse_prefill(
                                                         topk_length=topk_length)
         return out.to(q.dtype) if q.dtype in KERNEL_DTYPES else out, max_logits, lse
 
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
+    knobs = dv_split != 1 or num_warps is not None or num_stages is not None
+    backend = choose_backend(backend, q, kv, d_v, plan, tile=tile, triton_knobs=knobs)
+    if backend == "cuda":
+        return _run_cuda(q, kv, indices, sm_scale, d_v, method=method, plan=plan, group_size=group_size, tile=tile,
+                         clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level,
+                         fallback=fallback, attn_sink=attn_sink, topk_length=topk_length)
     if not _kernels_can_run(q.device):
         raise ValueError(f"method={method!r} runs Triton kernels: q must be on a CUDA device "
                          f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
@@ -161,17 +174,81 @@ def sparse_prefill(
                          clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level,
                          split_private=split_private)
     else:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a quilt_attn.Plan, got {type(plan).__name__}")
-        if plan.s_q != s_q or plan.topk != indices.shape[1]:
-            raise ValueError(f"plan was built for s_q={plan.s_q}, topk={plan.topk}; got s_q={s_q}, topk={indices.shape[1]}")
-        if plan.s_kv is not None and plan.s_kv != s_kv:
-            raise ValueError(f"plan was built for s_kv={plan.s_kv} but kv has s_kv={s_kv}")
-        if plan.device != q.device:
-            raise ValueError(f"plan is on {plan.device} but q is on {q.device}")
+        _check_plan(plan, q, indices, s_kv)
     if plan.tile < 16 or not _is_pow2(plan.tile):
         raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
     if not runs_quilt(plan, h, fallback):
         # too little is shared to fill 64-row tiles (or one query fills them): run query by query
         return query_parallel()
     return launch_sparse_attention(q, kv, sm_scale, d_v, plan=plan, **tuning)
+
+
+_WARNED: set = set()
+
+
+def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, plan: Plan | None = None, *,
+                   tile: int = 64, triton_knobs: bool = False) -> str:
+    """``"triton"`` or ``"cuda"`` for these (checked) inputs.
+
+    ``"cuda"`` raises ``ValueError`` when the CUDA kernel cannot run them (naming why); ``"auto"``
+    takes the CUDA kernel wherever it runs (it measured faster at every head count, BENCHMARKS.md)
+    and otherwise Triton, saying once why when a GPU is present. ``triton_knobs``: Triton tuning
+    arguments were given (the CUDA kernel has none).
+    """
+    if backend == "triton":
+        return backend
+    from .ops import cuda_backend
+
+    dense = kv if kv.dtype != torch.uint8 else q.new_empty(0, q.shape[2])  # an FP8 cache is expanded first
+    reason = cuda_backend.unavailable_reason(q.device) or cuda_backend.unsupported_reason(q, dense, d_v, plan)
+    if reason is None and plan is None and tile != cuda_backend.TILE:
+        reason = f"the CUDA backend runs tile = {cuda_backend.TILE}, got {tile}"
+    if reason is None and triton_knobs:
+        reason = "dv_split, num_warps and num_stages tune the Triton kernel"
+    if reason is None:
+        return "cuda"
+    if backend == "cuda":
+        raise ValueError(f"backend='cuda': {reason}")
+    if q.device.type == "cuda" and reason not in _WARNED:
+        import warnings
+
+        _WARNED.add(reason)
+        warnings.warn(f"quilt_attn: backend='auto' runs Triton: {reason}", stacklevel=3)
+    return "triton"
+
+
+def _run_cuda(q, kv, indices, sm_scale, d_v, *, method, plan, group_size, tile, clip_threshold, importance_clip,
+              merge_level, fallback, attn_sink, topk_length):
+    """The CUDA backend's dispatch: every tile is a 64-row matrix product, so QUILT never loses to
+    query-parallel below 64 heads (a query's own tile is as costly as a shared one) and is skipped at 64+."""
+    from .kv_cache import dequantize_fp8
+    from .ops.cuda_backend import launch_sparse_attention_cuda
+    from .ops.sparse_attention import program_shape
+
+    if kv.dtype == torch.uint8:  # prefill reads each row many times: expand the FP8 cache once (1152 B a row)
+        kv = dequantize_fp8(kv, q.dtype)
+    s_q, h, _ = q.shape
+    run = dict(attn_sink=attn_sink)
+    qp = program_shape(h, group_size)[0]
+    if method == "query_parallel" or (plan is None and fallback and not importance_clip and qp == 1):
+        return launch_sparse_attention_cuda(q, kv, sm_scale, d_v, indices=indices.contiguous(),
+                                            topk_length=topk_length, **run)
+    if plan is None:
+        plan = make_plan(indices, s_kv=kv.shape[0], topk_length=topk_length, group_size=group_size, tile=tile,
+                         clip_threshold=clip_threshold, importance_clip=importance_clip,
+                         merge_level=qp if merge_level is None else merge_level, split_private=False)
+    else:
+        _check_plan(plan, q, indices, kv.shape[0])
+    return launch_sparse_attention_cuda(q, kv, sm_scale, d_v, plan=plan, **run)
+
+
+def _check_plan(plan, q: torch.Tensor, indices: torch.Tensor, s_kv: int) -> None:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a quilt_attn.Plan, got {type(plan).__name__}")
+    if plan.s_q != q.shape[0] or plan.topk != indices.shape[1]:
+        raise ValueError(f"plan was built for s_q={plan.s_q}, topk={plan.topk}; "
+                         f"got s_q={q.shape[0]}, topk={indices.shape[1]}")
+    if plan.s_kv is not None and plan.s_kv != s_kv:
+        raise ValueError(f"plan was built for s_kv={plan.s_kv} but kv has s_kv={s_kv}")
+    if plan.device != q.device:
+        raise ValueError(f"plan is on {plan.device} but q is on {q.device}")

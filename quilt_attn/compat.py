@@ -14,12 +14,15 @@ def flash_mla_sparse_fwd(
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
 ):
     """Sparse prefill with FlashMLA's signature, run by QUILT; any head count 1..128.
 
     ``q [s_q, h, d_qk]`` bf16, ``kv [s_kv, 1, d_qk]`` bf16 (or ``[s_kv, d_qk]``, or the FP8 cache),
     ``indices [s_q, 1, topk]`` int32 (or ``[s_q, topk]``). Returns ``(out [s_q, h, d_v],
-    max_logits [s_q, h], lse [s_q, h])``; lse is base 2, as FlashMLA's.
+    max_logits [s_q, h], lse [s_q, h])``; lse is base 2, as FlashMLA's. ``backend``: see
+    ``quilt_attn.sparse_prefill``.
     """
     return sparse_prefill(q, kv, indices, sm_scale, method="quilt", d_v=d_v, attn_sink=attn_sink,
-                          topk_length=topk_length)
+                          topk_length=topk_length, backend=backend)

@@ -5,7 +5,8 @@ through Triton's interpreter (``TRITON_INTERPRET=1``) or on the GPU when there i
 not tested there: Triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly.
 
 GPU part (marker ``gpu``): the production shape (d_qk 576 = 512 + 64, d_v 512) in bf16, dense
-and FP8 caches, s_kv 8192, s_q 512, topk 2048 and 1000, h from 1 to 128.
+and FP8 caches, s_kv 8192, s_q 512, topk 2048 and 1000, h from 1 to 128, on both backends
+(``triton`` and the sm_90a ``cuda`` kernel).
 
 Every kernel output is allocated NaN-poisoned (``nan_poison`` patches ``torch.empty``), and every
 element of ``out``, ``max_logits`` and ``lse`` is compared with the reference
@@ -379,6 +380,8 @@ def test_importance_clip_cpu(split, record_property):
 gpu = pytest.mark.gpu
 S_KV, S_Q = 8192, 512
 HEADS = (1, 8, 16, 32, 64, 128)
+GPU_BACKENDS = ("triton", "cuda")
+backends = pytest.mark.parametrize("backend", GPU_BACKENDS)
 no_interp = pytest.mark.skipif(HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1",
                                reason="production shapes through the interpreter would take hours")
 
@@ -409,6 +412,7 @@ def _gpu_ref(workload: str, topk: int, kind: str, h: int):
 
 def gpu_run(q, kv, idx, method, sm_scale=None, **kw):
     kw.setdefault("d_v", 512)
+    kw.setdefault("backend", "triton")
     return sparse_prefill(q, kv, idx, sm_scale, method=method, **kw)
 
 
@@ -419,9 +423,10 @@ def gpu_run(q, kv, idx, method, sm_scale=None, **kw):
 @pytest.mark.parametrize("kind", ["dense", "fp8"])
 @pytest.mark.parametrize("workload,topk", [("glm53-like", 2048), ("random", 2048), ("glm53-like", 1000),
                                            ("random", 1000)])
-def test_gpu_production_shapes(workload, topk, kind, h, method):
+@backends
+def test_gpu_production_shapes(backend, workload, topk, kind, h, method):
     q, kv, idx = _q(h), _kv(kind), _indices(workload, topk)
-    got = gpu_run(q, kv, idx, method)
+    got = gpu_run(q, kv, idx, method, backend=backend)
     e = assert_matches_reference(got, _gpu_ref(workload, topk, kind, h), BF16, what=f"{workload} {kind} h={h}")
     assert e <= TOLERANCES[BF16].rel_l2
 
@@ -430,7 +435,8 @@ def test_gpu_production_shapes(workload, topk, kind, h, method):
 @no_interp
 @pytest.mark.parametrize("kind", ["dense", "fp8"])
 @pytest.mark.parametrize("method", METHODS)
-def test_gpu_invalid_indices_topk_length_sink(method, kind):
+@backends
+def test_gpu_invalid_indices_topk_length_sink(backend, method, kind):
     h, topk = 64, 2048
     q, kv = _q(h), _kv(kind)
     idx = _indices("glm53-like", topk).clone()
@@ -447,7 +453,7 @@ def test_gpu_invalid_indices_topk_length_sink(method, kind):
     lengths[11] = topk
     sink = torch.linspace(-3, 6, h, device="cuda")
     sink[0], sink[1] = float("-inf"), float("inf")
-    got = gpu_run(q, kv, idx, method, topk_length=lengths, attn_sink=sink)
+    got = gpu_run(q, kv, idx, method, topk_length=lengths, attn_sink=sink, backend=backend)
     want = sparse_prefill_reference(q, kv, idx, d_v=512, topk_length=lengths, attn_sink=sink)
     assert_matches_reference(got, want, BF16, what=f"{method} {kind}")
     out, ml, lse = got
@@ -460,10 +466,11 @@ def test_gpu_invalid_indices_topk_length_sink(method, kind):
 @no_interp
 @pytest.mark.parametrize("kind", ["dense", "fp8"])
 @pytest.mark.parametrize("h", [16, 128])
-def test_gpu_repeated_runs_bit_identical(h, kind):
+@backends
+def test_gpu_repeated_runs_bit_identical(backend, h, kind):
     q, kv, idx = _q(h), _kv(kind), _indices("glm53-like", 2048)
     for method in METHODS:
-        runs = [gpu_run(q, kv, idx, method) for _ in range(3)]
+        runs = [gpu_run(q, kv, idx, method, backend=backend) for _ in range(3)]
         for other in runs[1:]:
             for a, b in zip(runs[0], other):
                 assert torch.equal(a, b), method
@@ -481,15 +488,16 @@ def test_gpu_dv_split_2(method, kind):
 
 @gpu
 @no_interp
-def test_gpu_plan_reuse_and_compat():
+@backends
+def test_gpu_plan_reuse_and_compat(backend):
     h, idx = 16, _indices("glm53-like", 2048)
     p = make_plan(idx, s_kv=S_KV, group_size=8, tile=64, merge_level=4, split_private=True)
     for layer, kind in enumerate(["dense", "fp8"]):
         q = randn(S_Q, h, 576, seed=50 + layer, dtype=BF16, device="cuda")
-        got = gpu_run(q, _kv(kind), idx, "quilt", 0.05, plan=p)
+        got = gpu_run(q, _kv(kind), idx, "quilt", 0.05, plan=p, backend=backend)
         assert_matches_reference(got, sparse_prefill_reference(q, _kv(kind), idx, 0.05, d_v=512), BF16)
     q, kv = _q(h), _kv("dense")
-    got = flash_mla_sparse_fwd(q, kv[:, None, :], idx[:, None, :], 576**-0.5)
+    got = flash_mla_sparse_fwd(q, kv[:, None, :], idx[:, None, :], 576**-0.5, backend=backend)
     assert_matches_reference(got, _gpu_ref("glm53-like", 2048, "dense", h), BF16)
 
 
@@ -498,7 +506,8 @@ def test_gpu_plan_reuse_and_compat():
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("h", [16, 128])
 @pytest.mark.parametrize("kind", ["dense", "fp8"])
-def test_gpu_importance_clip(kind, h, split, record_property):
+@backends
+def test_gpu_importance_clip(backend, kind, h, split, record_property):
     """Importance clipping on glm53-like: rel-L2 <= 1e-2 against the unclipped result."""
     from quilt_attn.ops.sparse_attention import program_shape
 
@@ -511,7 +520,7 @@ def test_gpu_importance_clip(kind, h, split, record_property):
                   merge_level=program_shape(h, 8)[0] if split else 1, split_private=split)
     kept, n_dropped = kept_indices(p, idx, S_KV)
     assert n_dropped > 0
-    got = gpu_run(q, kv, idx, "quilt", scale, plan=p)
+    got = gpu_run(q, kv, idx, "quilt", scale, plan=p, backend=backend)
     assert_matches_reference(got, sparse_prefill_reference(q, kv, kept, scale, d_v=512), BF16, what="kept")
     full = sparse_prefill_reference(q, kv, idx, scale, d_v=512)
     err = rel_l2(got[0], full[0])

@@ -1,0 +1,203 @@
+"""CUDA backend (Hopper, sm_90a): built on first use, launched through ctypes.
+
+The kernel (``csrc/quilt_sm90.cu``) has no torch dependency: nvcc builds it into a plain shared
+library (about 10 s), cached under ``$QUILT_CUDA_CACHE`` (default ``~/.cache/quilt_attn``) by a
+hash of the sources and flags, so one build serves every torch version and later runs load it at
+once. Tensors are passed as raw pointers on torch's current stream.
+
+Scope: d_qk 576 / d_v 512, bf16 or fp16 q and dense kv (the FP8 cache is expanded once per call
+by the caller, ``api.sparse_prefill``), plans with 64-row tiles, any head count 1..128.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("quilt_sm90.cu", "wgmma_ops.cuh")
+NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--use_fast_math",
+              "-shared", "-Xcompiler", "-fPIC")
+D_QK, D_V, TILE = 576, 512, 64
+
+
+class CudaBackendError(RuntimeError):
+    """The CUDA backend cannot run here (no Hopper GPU, no nvcc, a failed build or launch)."""
+
+
+class _Params(ctypes.Structure):
+    # mirrors quilt_sm90::Params field by field (checked against the library's sizeof at load)
+    _fields_ = [(n, ctypes.c_void_p) for n in ("q", "kv", "out", "max_logits", "lse", "sink", "tile_kv",
+                                                "tile_mask", "prog_tiles", "prog_ntiles", "indices", "topk_length")]
+    _fields_ += [(n, ctypes.c_longlong) for n in ("stride_qs", "stride_qh", "stride_kv", "stride_idx",
+                                                  "stride_os", "stride_oh")]
+    _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "h", "topk", "prog_cap", "group_size", "qp", "hb",
+                                             "from_plan")]
+    _fields_ += [("scale2", ctypes.c_float), ("skip", ctypes.c_int)]
+
+
+def find_nvcc() -> str | None:
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) else None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUILT_CUDA_CACHE") or Path.home() / ".cache" / "quilt_attn")
+
+
+def library_path() -> Path:
+    h = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    return cache_dir() / f"quilt_sm90_{h.hexdigest()[:16]}.so"
+
+
+def build(nvcc: str | None = None, *, verbose: bool = False) -> Path:
+    """Compile the kernel library unless the cache has it; returns its path."""
+    path = library_path()
+    if path.exists():
+        return path
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise CudaBackendError("the CUDA backend is compiled on first use and needs nvcc (CUDA 12.3+); none found "
+                               "(set CUDA_HOME)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        tmp_lib = Path(tmp) / path.name
+        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp_lib), str(CSRC / "quilt_sm90.cu")]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if verbose or res.returncode != 0:
+            print(res.stdout + res.stderr)
+        if res.returncode != 0:
+            raise CudaBackendError(f"building the CUDA backend failed ({' '.join(cmd)}):\n{res.stderr[-3000:]}")
+        os.replace(tmp_lib, path)  # atomic: concurrent builders agree on one file
+    return path
+
+
+_LOCK = threading.Lock()
+_LIB = None
+
+
+def _library():
+    global _LIB
+    with _LOCK:
+        if _LIB is None:
+            lib = ctypes.CDLL(str(build()))
+            lib.quilt_sm90_launch.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                              ctypes.c_int, ctypes.c_void_p]
+            lib.quilt_sm90_launch.restype = ctypes.c_int
+            lib.quilt_sm90_error_string.restype = ctypes.c_char_p
+            lib.quilt_sm90_error_string.argtypes = [ctypes.c_int]
+            if lib.quilt_sm90_params_size() != ctypes.sizeof(_Params):
+                raise CudaBackendError("CUDA backend: parameter block layout differs between Python and the library")
+            _LIB = lib
+    return _LIB
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the CUDA backend cannot run on ``device`` (None when it can)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"the CUDA backend needs a CUDA device, got {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"the CUDA backend is built for Hopper (sm_90a); this GPU is sm_{major}{minor}"
+    if not library_path().exists() and find_nvcc() is None:
+        return "the CUDA backend is compiled on first use and needs nvcc (set CUDA_HOME); none found"
+    return None
+
+
+def unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None) -> str | None:
+    """Why these (checked) inputs are outside the CUDA kernel's scope (None when inside)."""
+    if q.shape[2] != D_QK or d_v != D_V:
+        return f"the CUDA backend runs d_qk = {D_QK}, d_v = {D_V}; got d_qk = {q.shape[2]}, d_v = {d_v}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
+        return f"the CUDA backend needs bf16 / fp16 q and a dense kv of the same dtype; got {q.dtype}, {kv.dtype}"
+    if plan is not None and plan.tile != TILE:
+        return f"the CUDA backend runs plans with tile = {TILE}, got {plan.tile}"
+    return None
+
+
+def _ptr(t) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
+           partial: bool = False, _skip: int = 0) -> None:
+    """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
+
+    ``q [s_q, h, 576]``, ``kv [s_kv, 576]`` (q's dtype, unit stride in the last dimension),
+    ``out [s_q, h, 512]`` (q's dtype, or float32 with ``partial``), ``max_logits, lse [s_q, h]`` float32.
+    ``_skip`` (measurement only, results invalid): 1 skips the kv gather, 2 the matrix products.
+    """
+    from ..reference import LOG2E
+    from .sparse_attention import program_shape
+
+    s_q, h, _ = q.shape
+    G = plan.group_size if plan is not None else 1
+    qp, hb = program_shape(h, G)
+    prm = _Params()
+    prm.q, prm.kv, prm.out, prm.max_logits, prm.lse = (t.data_ptr() for t in (q, kv, out, max_logits, lse))
+    prm.sink = _ptr(attn_sink) if not partial else None
+    prm.stride_qs, prm.stride_qh = q.stride(0), q.stride(1)
+    prm.stride_kv = kv.stride(0)
+    prm.stride_os, prm.stride_oh = out.stride(0), out.stride(1)
+    prm.s_q, prm.s_kv, prm.h = s_q, kv.shape[0], h
+    prm.group_size, prm.qp, prm.hb = G, qp, hb
+    prm.scale2 = float(sm_scale) * LOG2E
+    prm.skip = _skip
+    if plan is not None:
+        prog_tiles, prog_ntiles = plan.work_list(qp)
+        prm.tile_kv, prm.tile_mask = plan.tile_kv.data_ptr(), plan.tile_mask.data_ptr()
+        prm.prog_tiles, prm.prog_ntiles = prog_tiles.data_ptr(), prog_ntiles.data_ptr()
+        prm.prog_cap, prm.topk, prm.from_plan = prog_tiles.shape[1], plan.topk, 1
+        grid_x = prog_tiles.shape[0]
+    else:
+        prm.indices, prm.stride_idx, prm.topk = indices.data_ptr(), indices.stride(0), indices.shape[1]
+        prm.topk_length = _ptr(topk_length)
+        grid_x = s_q
+    lib = _library()
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    dtype = 0 if q.dtype == torch.bfloat16 else 1
+    err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype, int(partial), grid_x, -(-h // hb), ctypes.c_void_p(stream))
+    if err != 0:
+        raise CudaBackendError(f"CUDA backend launch failed: {lib.quilt_sm90_error_string(err).decode()}")
+
+
+def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
+                                 attn_sink=None):
+    """Allocate outputs and run the CUDA kernel (the counterpart of ``launch_sparse_attention``).
+
+    A plan that split private rows off runs its shared tiles here (float32 partial state) and the
+    private rows in the Triton query pass that continues that state.
+    """
+    from .sparse_attention import _launch
+
+    s_q, h, _ = q.shape
+    out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    if s_q == 0:
+        return out, max_logits, lse
+    if plan is None or not plan.split_private:
+        launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, plan=plan,
+               attn_sink=attn_sink)
+        return out, max_logits, lse
+    part = (torch.empty(s_q, h, d_v, dtype=torch.float32, device=q.device),
+            torch.empty(s_q, h, dtype=torch.float32, device=q.device),
+            torch.empty(s_q, h, dtype=torch.float32, device=q.device))
+    launch(q, kv, sm_scale, *part, plan=plan, partial=True)
+    _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
+            attn_sink=attn_sink, init=part)
+    return out, max_logits, lse

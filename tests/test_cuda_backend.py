@@ -1,0 +1,129 @@
+"""The CUDA backend: choice and errors (CPU), build check (nvcc, no GPU needed), sm_90a specifics (GPU).
+
+The production-shape correctness tests of both backends are in ``test_sparse_attention.py``
+(parametrized by ``backend``); this file holds what only the CUDA backend has.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, TOLERANCES, assert_matches_reference, randn
+from quilt_attn import plan as make_plan
+from quilt_attn import sparse_prefill, sparse_prefill_reference
+from quilt_attn.api import choose_backend
+from quilt_attn.ops import cuda_backend
+
+BF16 = torch.bfloat16
+
+
+def test_backend_argument_is_checked():
+    q = randn(4, 2, 80, seed=0)
+    kv = randn(32, 80, seed=1)
+    idx = torch.zeros(4, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sparse_prefill(q, kv, idx, method="quilt", d_v=64, backend="cutlass")
+
+
+def test_cuda_backend_refuses_cpu_and_names_why():
+    q = randn(4, 2, 576, seed=0, dtype=BF16)
+    kv = randn(32, 576, seed=1, dtype=BF16)
+    with pytest.raises(ValueError, match="backend='cuda': the CUDA backend needs a CUDA device"):
+        choose_backend("cuda", q, kv, 512)
+    assert choose_backend("auto", q, kv, 512) == "triton"
+    assert choose_backend("triton", q, kv, 512) == "triton"
+
+
+def test_cuda_backend_scope():
+    q = randn(4, 2, 80, seed=0)
+    assert "d_qk = 576" in cuda_backend.unsupported_reason(q, randn(8, 80, seed=1), 64)
+    q = randn(4, 2, 576, seed=0, dtype=torch.float32)
+    assert "bf16 / fp16" in cuda_backend.unsupported_reason(q, randn(8, 576, seed=1, dtype=torch.float32), 512)
+    q = randn(4, 2, 576, seed=0, dtype=BF16)
+    assert cuda_backend.unsupported_reason(q, randn(8, 576, seed=1, dtype=BF16), 512) is None
+    p = make_plan(torch.zeros(4, 8, dtype=torch.int32), s_kv=8, tile=16)
+    assert "tile = 64" in cuda_backend.unsupported_reason(q, randn(8, 576, seed=1, dtype=BF16), 512, p)
+
+
+@pytest.mark.skipif(cuda_backend.find_nvcc() is None, reason="needs nvcc (a compile-only check)")
+def test_kernel_library_builds_and_matches_the_parameter_block(tmp_path, monkeypatch):
+    """nvcc builds the sm_90a library without a GPU; its Params block has the layout Python sends."""
+    monkeypatch.setenv("QUILT_CUDA_CACHE", str(tmp_path))
+    path = cuda_backend.build()
+    assert path.parent == tmp_path and path.exists()
+    assert cuda_backend.build() == path  # cached: no second build
+    lib = ctypes.CDLL(str(path))
+    assert lib.quilt_sm90_params_size() == ctypes.sizeof(cuda_backend._Params)
+    assert lib.quilt_sm90_smem_bytes() <= 232448
+
+
+# =============================================================================================
+# GPU (sm_90)
+# =============================================================================================
+gpu = pytest.mark.gpu
+on_hopper = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0),
+                               reason="the CUDA backend needs an sm_90 GPU")
+
+
+def _inputs(h, s_q=256, s_kv=4096, topk=2048, workload="glm53-like", dtype=BF16, seed=3):
+    from quilt_attn.workloads import generate
+
+    q = randn(s_q, h, 576, seed=seed, dtype=dtype, device="cuda")
+    kv = randn(s_kv, 576, seed=seed + 1, dtype=dtype, device="cuda")
+    idx = generate(workload, s_q, s_kv, topk, seed=seed, device="cuda")
+    return q, kv, idx
+
+
+@gpu
+@on_hopper
+@pytest.mark.parametrize("h", [3, 12, 40, 100])
+def test_cuda_odd_head_counts(h, nan_poison):
+    """Head counts that pad a program's rows (HB a power of two, rows < 64, two head blocks)."""
+    q, kv, idx = _inputs(h)
+    for method in ("quilt", "query_parallel"):
+        got = sparse_prefill(q, kv, idx, method=method, backend="cuda")
+        assert_matches_reference(got, sparse_prefill_reference(q, kv, idx), BF16, what=f"{method} h={h}")
+
+
+@gpu
+@on_hopper
+def test_cuda_fp16_and_split_plan(nan_poison):
+    """fp16 inputs; a split-private plan runs its shared tiles in CUDA and its private rows in Triton."""
+    q, kv, idx = _inputs(16, dtype=torch.float16)
+    want = sparse_prefill_reference(q, kv, idx)
+    got = sparse_prefill(q, kv, idx, backend="cuda")
+    e = assert_matches_reference(got, want, torch.float16, what="fp16")
+    assert e <= TOLERANCES[torch.float16].rel_l2
+    p = make_plan(idx, s_kv=kv.shape[0], merge_level=4, split_private=True)
+    got = sparse_prefill(q, kv, idx, plan=p, backend="cuda")
+    assert_matches_reference(got, want, torch.float16, what="split plan")
+
+
+@gpu
+@on_hopper
+def test_cuda_auto_picks_cuda_and_strided_q(nan_poison):
+    q, kv, idx = _inputs(16)
+    assert choose_backend("auto", q, kv, 512) == "cuda"
+    assert choose_backend("auto", q, kv, 512, triton_knobs=True) == "triton"
+    wide = torch.zeros(q.shape[0], 16, 640, dtype=BF16, device="cuda")
+    wide[:, :, :576] = q
+    got = sparse_prefill(wide[:, :, :576], kv, idx, backend="cuda")
+    assert_matches_reference(got, sparse_prefill_reference(q, kv, idx), BF16, what="strided q")
+
+
+@gpu
+@on_hopper
+def test_cuda_library_cached_between_processes(tmp_path):
+    """A second process loads the cached library without nvcc."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, QUILT_CUDA_CACHE=str(tmp_path))
+    code = ("import torch; from quilt_attn.ops import cuda_backend as c; p = c.build(); "
+            "import os; os.environ['PATH'] = ''; os.environ.pop('CUDA_HOME', None); c.find_nvcc = lambda: None; "
+            "print(c.unavailable_reason(torch.device('cuda')), c.build() == p)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("None True")
