@@ -5,16 +5,18 @@
 // Tiles come either from a QUILT plan's per-program work list (each tile column carries the member
 // bits of the queries that own its row) or, query-parallel, from one query's own Top-K list.
 //
-// Two warpgroups (256 threads) share the 64 rows:
+// Warp-specialized, 384 threads. Two consumer warpgroups (232 registers each) share the 64 rows:
 //   S = Q K^T   warpgroup w computes kv columns [32w, 32w + 32)   (wgmma m64n32k16, Q and K in smem)
 //   softmax     row maxima are exchanged through shared memory, P (bf16) is written to shared memory
 //   O += P V    warpgroup w accumulates value columns [256w, 256w + 256) (wgmma m64n256k16, V = K tile
 //               read N-major from the same shared memory)
-// All 256 threads gather the next tile with 16-byte cp.async (zero-filled for invalid rows) into a
-// second shared-memory stage while the current tile is computed.
+// A producer warpgroup (40 registers) gathers the next tile with 16-byte cp.async (zero-filled for
+// invalid rows) into the other shared-memory stage while the current one is computed; mbarriers
+// full[2] / empty[2] hand the stages over. (Gathering from the consumer warps instead measured
+// 15.8 ms against 11.7 at 64 heads: issuing the copies stalled the matrix work, benchmarks/NOTES.md.)
 //
 // Shared memory, 128-byte-swizzled 64-column chunks (the layout wgmma's descriptors expect):
-//   Q 72 KB | KV stage 0, 1: 72 KB each | P 8 KB | kv index, member bits, row max, row sum per stage.
+//   Q 72 KB | KV stage 0, 1: 72 KB each | P 8 KB | member bits, row max, row sum, mbarriers.
 // This file has no torch dependency: it builds into a plain shared library driven through ctypes
 // (quilt_attn/ops/cuda_backend.py), and compiles alone with nvcc for a build check.
 #include <cuda_bf16.h>
@@ -29,24 +31,21 @@ namespace quilt_sm90 {
 constexpr int kRows = 64;                       // matrix rows a CTA (queries x heads)
 constexpr int kTile = 64;                       // kv rows a tile
 constexpr int kDqk = 576;
-constexpr int kDv = 512;
 constexpr int kUnitsPerRow = kDqk / 8;          // 16-byte units of a bf16 row: 72
 constexpr int kChunkBytes = 64 * 128;           // 64 rows x 64 columns x 2 bytes
 constexpr int kTileBytes = (kDqk / 64) * kChunkBytes;  // 9 chunks: 72 KB
-constexpr int kThreads = 256;
-constexpr int kCopiesPerThread = kRows * kUnitsPerRow / kThreads;  // 18
+constexpr int kThreads = 256;                   // consumer threads (+ one producer warpgroup)
 
 constexpr int kSmemQ = 0;
 constexpr int kSmemKV = kSmemQ + kTileBytes;
 constexpr int kSmemP = kSmemKV + 2 * kTileBytes;
-constexpr int kSlots = 3;                       // tile descriptions in flight: computed, copying, prefetched
-constexpr int kSmemIdx = kSmemP + kChunkBytes;  // int [3][64]: kv row of each tile slot (-1: none)
-constexpr int kSmemMask = kSmemIdx + kSlots * kTile * 4;  // uint32 [3][64]: member bits of each tile slot
-constexpr int kSmemMax = kSmemMask + kSlots * kTile * 4;  // float [2][64]: row max of each warpgroup's half
+constexpr int kSmemMask = kSmemP + kChunkBytes;       // uint32 [2][64]: member bits of each stage's slots
+constexpr int kSmemMax = kSmemMask + 2 * kTile * 4;   // float [2][64]: row max of each warpgroup's half
 constexpr int kSmemSum = kSmemMax + 2 * kRows * 4;   // float [2][64]: row sum of each warpgroup's half
-constexpr int kSmemBytes = kSmemSum + 2 * kRows * 4;  // 231936 of 232448
+constexpr int kSmemBar = kSmemSum + 2 * kRows * 4;   // uint64 full[2], empty[2]
+constexpr int kSmemBytes = kSmemBar + 4 * 8;          // 230944 of 232448
 
-static_assert(kRows * kUnitsPerRow % kThreads == 0, "copies must divide evenly");
+static_assert(kRows * kUnitsPerRow % (kThreads + 128) == 0, "q copies must divide evenly");
 static_assert(kSmemBytes <= 232448, "shared memory budget of an H100/H200 CTA");
 
 struct Params {
@@ -146,42 +145,66 @@ __device__ __forceinline__ void tile_slot(const Params& p, const Program& pr, in
   }
 }
 
-// tile `it`'s kv rows and member bits -> smem slot `it % 3`: global loads issued a tile early so
-// their latency hides behind a tile of matrix work (a dependent load chain: work list -> tile -> row)
-__device__ __forceinline__ void fetch_slot(const Params& p, const Program& pr, int it, int& row, uint32_t& bits) {
-  row = -1;
-  bits = 0u;
-  if (threadIdx.x < kTile && it < pr.n_tiles) tile_slot(p, pr, it, threadIdx.x, row, bits);
+// ------------------------------------------------------------------------------ mbarriers
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
-__device__ __forceinline__ void store_slot(uint8_t* smem, int it, int row, uint32_t bits) {
-  if (threadIdx.x < kTile) {
-    reinterpret_cast<int*>(smem + kSmemIdx)[(it % kSlots) * kTile + threadIdx.x] = row;
-    reinterpret_cast<uint32_t*>(smem + kSmemMask)[(it % kSlots) * kTile + threadIdx.x] = bits;
-  }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// the 256 consumer threads only (the producer warpgroup never joins)
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
-// gather tile `it` (rows from its smem slot) into kv stage `it & 1` with 16-byte cp.async
+// ------------------------------------------------------------------------------ producer
+// Warpgroup 2 gathers tiles: two threads a kv row, 36 16-byte units each (alternating units so a
+// warp's request covers 16 rows x 32 bytes). Tile `it` goes to stage `it & 1` once the consumers
+// released the tile two back; its copies land, are fenced for wgmma, and `full[stage]` flips.
+// The work-list / index loads of the next tile are issued before waiting, so their dependent
+// latency hides behind the current copies.
 template <typename T>
-__device__ __forceinline__ void load_tile(const Params& p, int it, uint8_t* smem) {
-  if (p.skip & 1) return;
-  const uint32_t dst0 = smem_u32(smem + kSmemKV + (it & 1) * kTileBytes);
-  const int* rows = reinterpret_cast<const int*>(smem + kSmemIdx) + (it % kSlots) * kTile;
+__device__ void produce(const Params& p, const Program& pr, uint8_t* smem, uint32_t full, uint32_t empty) {
+  const int t = threadIdx.x - 2 * 128;
+  const int r = t / 2, half = t % 2;
   const T* kv = static_cast<const T*>(p.kv);
-#pragma unroll
-  for (int k = 0; k < kCopiesPerThread; ++k) {
-    const int i = threadIdx.x + k * kThreads;
-    const int r = i / kUnitsPerRow, u = i % kUnitsPerRow;
-    const int row = rows[r];
-    const T* src = kv + (row >= 0 ? static_cast<long long>(row) * p.stride_kv : 0) + u * 8;
-    cp_async16(dst0 + (u / 8) * kChunkBytes + swz(r, u % 8), src, row >= 0);
+  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + kSmemMask);
+  int row = -1;
+  uint32_t bits = 0u;
+  if (pr.n_tiles > 0) tile_slot(p, pr, 0, r, row, bits);
+  for (int it = 0; it < pr.n_tiles; ++it) {
+    const int stage = it & 1;
+    if (it >= 2) mbar_wait(empty + stage * 8, ((it - 2) >> 1) & 1);
+    if (half == 0) masks[stage * kTile + r] = bits;
+    const uint32_t dst = smem_u32(smem + kSmemKV + stage * kTileBytes) + r * 128;
+    if (!(p.skip & 1)) {
+      const T* src = kv + (row >= 0 ? static_cast<long long>(row) * p.stride_kv : 0);
+#pragma unroll 4
+      for (int k = 0; k < kUnitsPerRow / 2; ++k) {
+        const int u = 2 * k + half;
+        cp_async16(dst + (u / 8) * kChunkBytes + (((u % 8) ^ (r & 7)) << 4), src + u * 8, row >= 0);
+      }
+    }
+    cp_async_commit();
+    if (it + 1 < pr.n_tiles) tile_slot(p, pr, it + 1, r, row, bits);
+    cp_async_wait<0>();
+    fence_async_smem();
+    mbar_arrive(full + stage * 8);
   }
 }
 
 template <typename T, typename OutT>
-__global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kThreads + 128, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int hblock = blockIdx.y;
+  const uint32_t full = smem_u32(smem + kSmemBar), empty = full + 16;  // two stages each, 8 bytes a barrier
 
   Program pr;
   pr.pid = blockIdx.x;
@@ -200,31 +223,37 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     pr.n_tiles = (nv + kTile - 1) / kTile;
   }
 
-  // q rows -> shared memory (zero rows for padding), in the same copy group as tile 0
+  // q rows -> shared memory (zero rows for padding), all 384 threads; barriers initialized
   {
     const T* q = static_cast<const T*>(p.q);
     const uint32_t dst0 = smem_u32(smem + kSmemQ);
 #pragma unroll
-    for (int k = 0; k < kCopiesPerThread; ++k) {
-      const int i = tid + k * kThreads;
+    for (int k = 0; k < kRows * kUnitsPerRow / (kThreads + 128); ++k) {
+      const int i = tid + k * (kThreads + 128);
       const int r = i / kUnitsPerRow, u = i % kUnitsPerRow;
       const int mem = r / p.hb, head = hblock * p.hb + r % p.hb, qq = pr.q0 + mem;
       const bool ok = r < p.qp * p.hb && qq < p.s_q && head < p.h;
       const T* src = q + (ok ? qq * p.stride_qs + head * p.stride_qh : 0) + u * 8;
       cp_async16(dst0 + (u / 8) * kChunkBytes + swz(r, u % 8), src, ok);
     }
+    cp_async_commit();
+    if (tid == 0) {
+      for (int st = 0; st < 2; ++st) {
+        mbar_init(full + st * 8, 128);
+        mbar_init(empty + st * 8, kThreads);
+      }
+    }
+    cp_async_wait<0>();
+    fence_async_smem();
+    __syncthreads();
   }
-  {
-    int row0, row1;
-    uint32_t bits0, bits1;
-    fetch_slot(p, pr, 0, row0, bits0);
-    fetch_slot(p, pr, 1, row1, bits1);
-    store_slot(smem, 0, row0, bits0);
-    store_slot(smem, 1, row1, bits1);
+
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    produce<T>(p, pr, smem, full, empty);
+    return;
   }
-  __syncthreads();
-  if (pr.n_tiles > 0) load_tile<T>(p, 0, smem);
-  cp_async_commit();
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
 
   // this thread's two rows (of the warpgroup's 64) and the member bit each row answers to
   const int r0 = warp * 16 + lane / 4;
@@ -245,15 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
 
   for (int it = 0; it < pr.n_tiles; ++it) {
     const int stage = it & 1;
-    int next_row;
-    uint32_t next_bits;
-    fetch_slot(p, pr, it + 2, next_row, next_bits);  // consumed at the end of this iteration
-    if (it + 1 < pr.n_tiles) load_tile<T>(p, it + 1, smem);
-    cp_async_commit();
-    cp_async_wait<1>();  // this thread's copies of tile `it` (and q) have landed
-    fence_async_smem();
-    __syncthreads();      // ... and everyone's
-
+    mbar_wait(full + stage * 8, (it >> 1) & 1);
     const uint32_t skv = smem_u32(smem + kSmemKV + stage * kTileBytes);
     float s[16];
 #pragma unroll
@@ -275,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     fence_regs(s);
 
     // mask (member bits, invalid slots) and scale to base-2 logits; this warpgroup's row maxima
-    const uint32_t* bits = reinterpret_cast<const uint32_t*>(smem + kSmemMask) + (it % kSlots) * kTile;
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(smem + kSmemMask) + stage * kTile;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -296,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
       if (lane % 4 == 0) red_max[wg * kRows + r0 + 8 * i] = mx[i];
     }
-    __syncthreads();
+    consumer_sync();  // (also: both warpgroups are done reading the previous tile's P)
     float alpha[2], m_use[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -326,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       o[j * 4 + 3] *= alpha[1];
     }
     fence_async_smem();
-    __syncthreads();
+    consumer_sync();
 
     wgmma_fence();
     if (!(p.skip & 2)) {
@@ -340,10 +361,8 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
-    store_slot(smem, it + 2, next_row, next_bits);  // slot of tile it - 1: no longer read
-    __syncthreads();  // P, this stage and the slot are free again
+    mbar_arrive(empty + stage * 8);  // this stage may be refilled
   }
-  cp_async_wait<0>();
 
   // the two warpgroups' row sums -> l; normalize and write
 #pragma unroll
@@ -352,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
     if (lane % 4 == 0) red_sum[wg * kRows + r0 + 8 * i] = l[i];
   }
-  __syncthreads();
+  consumer_sync();
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = r0 + 8 * i;
@@ -388,7 +407,7 @@ int launch(const Params& p, int grid_x, int grid_y, cudaStream_t stream) {
   auto kernel = quilt_sm90_kernel<T, OutT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  kernel<<<dim3(grid_x, grid_y), kThreads, kSmemBytes, stream>>>(p);
+  kernel<<<dim3(grid_x, grid_y), kThreads + 128, kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
