@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 D_QK, D_V = 576, 512
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def useful_flops(s_q: int, topk: int, h: int, d_qk: int = D_QK, d_v: int = D_V) -> float:
@@ -55,6 +56,7 @@ class Case:
     s_kv: int = 65536
     topk: int = 2048
     seed: int = 0
+    dtype: str = "bf16"  # q and the dense kv; "fp16" for the CPU interpreter (its bf16 dot is wrong)
 
 
 @dataclass
@@ -70,10 +72,10 @@ def make_inputs(case: Case, n_sets: int = 2, device="cuda") -> Inputs:
 
     indices = generate(case.workload, case.s_q, case.s_kv, case.topk, seed=case.seed, device=device)
     g = torch.Generator(device=device).manual_seed(case.seed + 1)
-    sets = []
+    sets, dtype = [], DTYPES[case.dtype]
     for _ in range(n_sets):
-        q = torch.randn(case.s_q, case.h, D_QK, device=device, dtype=torch.bfloat16, generator=g)
-        kv = torch.randn(case.s_kv, D_QK, device=device, dtype=torch.bfloat16, generator=g)
+        q = torch.randn(case.s_q, case.h, D_QK, device=device, dtype=dtype, generator=g)
+        kv = torch.randn(case.s_kv, D_QK, device=device, dtype=dtype, generator=g)
         sets.append((q, quantize_fp8(kv) if case.kv == "fp8" else kv))
     return Inputs(case, indices, sets)
 
@@ -96,21 +98,56 @@ def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: i
 
 
 def time_ms(fn, warmup: int = 50, rep: int = 300) -> float:
+    """Median ms of ``fn`` by ``triton.testing.do_bench`` (warmup / rep in ms).
+
+    Without CUDA (the Triton interpreter): the wall time of one call, so that the benchmark code
+    runs in CPU tests; such a time measures the interpreter and means nothing.
+    """
     import triton
 
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def rotating(inputs: Inputs, call):
+    """A no-argument function calling ``call(q, kv)`` on the next of ``inputs.sets`` each time
+    (rotating sets larger than L2 keeps the timed calls from reading a warm cache)."""
+    state = {"i": 0}
+
+    def fn():
+        q, kv = inputs.sets[state["i"] % len(inputs.sets)]
+        state["i"] += 1
+        return call(q, kv)
+
+    return fn
 
 
 def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, importance_clip=False,
              clip_threshold=0.5, split_private=True, fallback=True, dv_split=1, num_warps=None,
-             num_stages=None, check_rows=256) -> dict:
-    """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart)."""
+             num_stages=None, check_rows=256, warmup=50, rep=300, backend=None) -> dict:
+    """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart).
+
+    ``warmup`` / ``rep``: do_bench budgets (ms) of the attention timing. ``backend``: passed to
+    ``sparse_prefill`` (None: its default, ``"auto"``); the backend that ran is the row's ``backend``.
+    With the CUDA backend a plan keeps its private rows in 64-row tiles (``split_private=False``:
+    the CUDA kernel has no 16-row query pass) and QUILT falls back only where one query fills a
+    program (h >= 64), as ``sparse_prefill`` does.
+    """
     from . import plan as make_plan
-    from .api import sparse_prefill
+    from .api import choose_backend, sparse_prefill
     from .ops.sparse_attention import LAST_COMPILED, program_shape, runs_quilt
 
     c = inputs.case
     kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
+    knobs = dv_split != 1 or num_warps is not None or num_stages is not None
+    backend = choose_backend(backend or "auto", inputs.sets[0][0], inputs.sets[0][1], D_V, triton_knobs=knobs)
+    kw["backend"] = backend
+    if backend == "cuda":
+        kw = dict(backend=backend)
+        split_private = False
     pl, plan_ms, kv_tiles, ran_fallback = None, 0.0, None, False
     if method == "quilt":
         if merge_level is None:
@@ -126,24 +163,23 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
             kv_tiles += int(((pl.priv_n + 63) // 64).sum()) * math.ceil(c.h / program_shape(c.h, 1)[1])
         kw["plan"] = pl
         kw["fallback"] = fallback
-        ran_fallback = not runs_quilt(pl, c.h, fallback)
+        if backend == "cuda":
+            ran_fallback = fallback and not importance_clip and qp == 1
+        else:
+            ran_fallback = not runs_quilt(pl, c.h, fallback)
     if method != "quilt" or ran_fallback:
         kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
-    state = {"i": 0}
-
-    def fn():
-        q, kv = inputs.sets[state["i"] % len(inputs.sets)]
-        state["i"] += 1
-        return sparse_prefill(q, kv, inputs.indices, method=method, **kw)
-
+    fn = rotating(inputs, lambda q, kv: sparse_prefill(q, kv, inputs.indices, method=method, **kw))
     q, kv = inputs.sets[0]
     out, ml, lse = sparse_prefill(q, kv, inputs.indices, method=method, **kw)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     chk = check(inputs, out, ml, lse, n_check=check_rows)
     k = LAST_COMPILED.get("kernel")
-    ms = time_ms(fn)
+    ms = time_ms(fn, warmup=warmup, rep=rep)
     row = {
-        "method": method + ("+iclip" if importance_clip else ""), "workload": c.workload, "kv": c.kv, "h": c.h,
+        "method": method + ("+iclip" if importance_clip else ""), "backend": backend, "workload": c.workload,
+        "kv": c.kv, "h": c.h, "dtype": c.dtype,
         "s_q": c.s_q, "s_kv": c.s_kv, "topk": c.topk, "ms": ms,
         "tflops": useful_flops(c.s_q, c.topk, c.h) / ms / 1e9, "rel_err": chk["rel_err"], "lse_err": chk["lse_err"],
         "kv_tiles": kv_tiles, "plan_ms": plan_ms,
@@ -162,11 +198,11 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
 
 
 def format_rows(rows) -> str:
-    hdr = f"{'method':<16}{'workload':<15}{'kv':<5}{'h':>4}{'ms':>9}{'TFLOP/s':>9}{'tiles':>10}{'rel_err':>10}{'plan_ms':>9}  config"
+    hdr = f"{'method':<16}{'backend':<8}{'workload':<15}{'kv':<5}{'h':>4}{'ms':>9}{'TFLOP/s':>9}{'tiles':>10}{'rel_err':>10}{'plan_ms':>9}  config"
     lines = [hdr]
     for r in rows:
         cfg = r["config"]
-        lines.append(f"{r['method']:<16}{r['workload']:<15}{r['kv']:<5}{r['h']:>4}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
+        lines.append(f"{r['method']:<16}{r.get('backend', ''):<8}{r['workload']:<15}{r['kv']:<5}{r['h']:>4}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
                      f"{r['kv_tiles']:>10}{r['rel_err']:>10.2e}{r['plan_ms']:>9.3f}  "
                      f"G={cfg['group_size']} m={cfg['merge_level']} sp={cfg.get('split_private')} "
                      f"w={cfg['num_warps']} s={cfg['num_stages']} "
@@ -184,14 +220,35 @@ def save(rows, path: str, extra: dict | None = None) -> None:
         json.dump(doc, f, indent=1)
 
 
+def run_case_or_error(inputs: Inputs, method: str, *, log=None, **kw) -> dict:
+    """``run_case`` (``method`` may end in ``+iclip`` and then ``@backend``), or an error row when it
+    raises: a failing configuration is recorded, not hidden, and the caller's sweep goes on."""
+    c = inputs.case
+    method, _, backend = method.partition("@")
+    if backend:
+        kw["backend"] = backend
+    try:
+        return run_case(inputs, method.replace("+iclip", ""), importance_clip=method.endswith("+iclip"), **kw)
+    except Exception as e:
+        r = {"method": method, "backend": backend or "auto", "workload": c.workload, "kv": c.kv, "h": c.h,
+             "s_q": c.s_q, "s_kv": c.s_kv,
+             "topk": c.topk, "error": f"{type(e).__name__}: {e}"[:400]}
+        if log:
+            log(f"ERROR {r}")
+        return r
+
+
 # The recorded benchmark grid (benchmarks/results/<gpu>.json): realistic workloads first.
+# Methods are "<method>[+iclip]@<backend>"; speedups are over query_parallel@triton. With the CUDA
+# backend at h >= 64 "quilt" runs the CUDA query-parallel kernel (one query fills a program).
+_BOTH = ("query_parallel@triton", "quilt@triton", "quilt@cuda")
 GRID = [  # (workload, kv, heads, methods)
-    ("glm53-like", "bf16", (8, 16, 32, 64, 128), ("query_parallel", "quilt")),
-    ("glm53-like", "bf16", (8, 16), ("quilt+iclip",)),
-    ("ds32-like", "bf16", (8, 16, 32), ("query_parallel", "quilt")),
-    ("qasper-like", "bf16", (8, 16), ("query_parallel", "quilt")),
-    ("random", "bf16", (16, 64), ("query_parallel", "quilt")),
-    ("glm53-like", "fp8", (8, 16, 64), ("query_parallel", "quilt")),
+    ("glm53-like", "bf16", (8, 16, 32, 64, 128), _BOTH),
+    ("glm53-like", "bf16", (8, 16), ("quilt+iclip@triton", "quilt+iclip@cuda")),
+    ("ds32-like", "bf16", (8, 16, 32), _BOTH),
+    ("qasper-like", "bf16", (8, 16), _BOTH),
+    ("random", "bf16", (16, 64, 128), _BOTH),
+    ("glm53-like", "fp8", (8, 16, 64), _BOTH),
 ]
 
 
@@ -212,15 +269,12 @@ def run_grid(out: str, *, grid=None, only=None, extra: dict | None = None, log=N
         for h in heads:
             inp = make_inputs(Case(wl, h, kv=kv, **(case_kwargs or {})))
             for m in methods:
-                try:
-                    r = run_case(inp, m.replace("+iclip", ""), importance_clip=m.endswith("+iclip"))
-                except Exception as e:  # recorded, not hidden
-                    r = {"method": m, "workload": wl, "kv": kv, "h": h, "error": f"{type(e).__name__}: {e}"[:400]}
-                    log(f"ERROR {r}")
+                r = run_case_or_error(inp, m, log=log)
+                if "error" in r:
                     rows.append(r)
                     continue
-                base = [x for x in rows if x.get("method") == "query_parallel" and x["workload"] == wl
-                        and x["kv"] == kv and x["h"] == h and "ms" in x]
+                base = [x for x in rows if x.get("method") == "query_parallel" and x.get("backend") == "triton"
+                        and x["workload"] == wl and x["kv"] == kv and x["h"] == h and "ms" in x]
                 if base:
                     r["speedup_vs_query_parallel"] = base[0]["ms"] / r["ms"]
                 rows.append(r)

@@ -6,7 +6,8 @@ Subcommands::
     quilt-attn plan    --workload ds32-like --group-size 8 --tile 64 --merge-level 4
     quilt-attn demo                       # plan + QUILT + query-parallel, checked against the reference
     quilt-attn bench   --heads 16,64 --workloads glm53-like --kv bf16    # GPU only
-    quilt-attn report  --out-dir DIR      # evaluation: GPU grid + layer proxy + BENCHMARKS.md;
+    quilt-attn report  --out-dir DIR      # evaluation: GPU grid + layer proxy + sweeps (context lengths,
+                                          # group x threshold, time breakdown) + BENCHMARKS.md;
                                           # CPU: overlap profiles + clipping study only
 
 Results go to stdout; progress lines (``[  12.3s] step ...``) go to stderr (``--quiet`` drops them).
@@ -47,7 +48,7 @@ TOLERANCE = {"fp16": 2e-3, "bf16": 1e-2}  # relative L2 error of out against the
 BENCH_METHODS = ("query_parallel", "quilt", "quilt+iclip")
 BENCH_KV = ("bf16", "fp8")
 BENCH_CONFIG_KEYS = {"num_warps": int, "num_stages": int, "dv_split": int, "group_size": int,
-                     "merge_level": int, "clip_threshold": float}
+                     "merge_level": int, "clip_threshold": float, "backend": str}
 
 
 class UsageError(Exception):
@@ -358,6 +359,13 @@ def cmd_demo(args, log: Progress) -> int:
         print("warning: Triton's CPU interpreter computes bf16 dot products wrongly; expect the check to fail "
               "(use --dtype fp16 on the CPU)", file=sys.stderr)
 
+    from .api import choose_backend
+
+    try:
+        backend = choose_backend(args.backend, torch.empty(1, h, d_qk, dtype=dtype, device=dev),
+                                 torch.empty(1, d_qk, dtype=dtype, device=dev), d_v, tile=tile)
+    except ValueError as err:
+        raise UsageError(f"argument --backend: {err}") from None
     group_size = args.group_size
     _check_merge_level(args.merge_level, group_size)
     qp, hb = ops.program_shape(h, group_size)
@@ -367,7 +375,7 @@ def cmd_demo(args, log: Progress) -> int:
     print(f"  workload {args.workload}: s_q={s_q} s_kv={s_kv} topk={topk} seed={args.seed}")
     print(f"  q [{s_q}, {h}, {d_qk}] {dtype_name}, kv [{s_kv}, {d_qk}] (d_qk = {d_v} + {d_rope}, d_v = {d_v}); "
           f"QUILT group_size={group_size} tile={tile} clip_threshold={args.clip_threshold} "
-          f"merge_level={merge_level}; program = {qp} queries x {min(hb, h)} heads")
+          f"merge_level={merge_level}; program = {qp} queries x {min(hb, h)} heads; backend {backend}")
 
     def sync():
         if cuda:
@@ -387,7 +395,7 @@ def cmd_demo(args, log: Progress) -> int:
     t0 = time.perf_counter()
     try:
         pl = make_plan(indices, s_kv=s_kv, group_size=group_size, tile=tile, clip_threshold=args.clip_threshold,
-                       merge_level=merge_level, split_private=True)
+                       merge_level=merge_level, split_private=backend != "cuda")  # CUDA: 64-row tiles only
         st = pl.stats
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -400,7 +408,7 @@ def cmd_demo(args, log: Progress) -> int:
         kw = dict(plan=pl, fallback=False) if method == "quilt" else {}
         t0 = time.perf_counter()
         try:
-            results[method] = sparse_prefill(q, kv, indices, method=method, d_v=d_v, **kw)
+            results[method] = sparse_prefill(q, kv, indices, method=method, d_v=d_v, backend=backend, **kw)
         except ValueError as err:
             raise UsageError(f"{method}: {err}") from None
         sync()
@@ -450,11 +458,12 @@ def cmd_demo(args, log: Progress) -> int:
             return float(triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median"))
 
         pkw = dict(s_kv=s_kv, group_size=group_size, tile=tile, clip_threshold=args.clip_threshold,
-                   merge_level=merge_level)
+                   merge_level=merge_level, split_private=pl.split_private)
+        run = dict(d_v=d_v, backend=backend)
         t_plan = bench(lambda: make_plan(indices, **pkw))
-        t_quilt = bench(lambda: sparse_prefill(q, kv, indices, method="quilt", d_v=d_v, plan=pl))
-        t_e2e = bench(lambda: sparse_prefill(q, kv, indices, method="quilt", d_v=d_v, plan=make_plan(indices, **pkw)))
-        t_qp = bench(lambda: sparse_prefill(q, kv, indices, method="query_parallel", d_v=d_v))
+        t_quilt = bench(lambda: sparse_prefill(q, kv, indices, method="quilt", plan=pl, **run))
+        t_e2e = bench(lambda: sparse_prefill(q, kv, indices, method="quilt", plan=make_plan(indices, **pkw), **run))
+        t_qp = bench(lambda: sparse_prefill(q, kv, indices, method="query_parallel", **run))
         flops = 2.0 * s_q * topk * h * (d_qk + d_v)
         print("timing (triton.testing.do_bench median; first call includes compilation):")
         print(f"  plan                  {t_plan:9.3f} ms")
@@ -615,14 +624,51 @@ def _release() -> None:
 
 # -------------------------------------------------------------------------------- report
 
-REPORT_PARTS = ("grid", "overlap", "clip", "layer")
-REPORT_GPU_PARTS = ("grid", "layer")
+REPORT_PARTS = ("grid", "overlap", "clip", "layer", "context", "sweep", "breakdown")
+REPORT_GPU_PARTS = ("grid", "layer", "context", "sweep", "breakdown")
 # clipping study: the recorded size on a GPU machine (it runs on the CPU either way), a small one CPU-only
 CLIP_GPU = dict(s_q=256, s_kv=65536, topk=2048, heads=16)
 CLIP_CPU = dict(s_q=32, s_kv=8192, topk=512, heads=16)
+QUICK_S_Q = 4096  # --quick: queries of every GPU part (a smoke run), the clipping study at CLIP_CPU
+
+
+class _Part:
+    """``with _Part(log, name, estimate_s):`` logs a part's start (with a rough estimate) and its elapsed time."""
+
+    def __init__(self, log: Progress, name: str, estimate_s: float | None = None):
+        self.log, self.name, self.estimate_s = log, name, estimate_s
+
+    def __enter__(self):
+        self.t0 = self.log.elapsed()
+        est = f" (estimate ~{self.estimate_s:.0f} s on an H200)" if self.estimate_s is not None else ""
+        self.log(f"part {self.name}: start{est}")
+        return self
+
+    def __exit__(self, *exc):
+        self.log(f"part {self.name}: {'failed' if exc[0] else 'done'} in {self.log.elapsed() - self.t0:.0f} s")
+        return False
+
+
+def _sweep_kwargs(args, part: str) -> dict:
+    """Keyword arguments of ``quilt_attn.sweeps.<part>_rows`` from the report options (``--quick``: s_q 4096)."""
+    def s_q(given):
+        return given if given is not None else (QUICK_S_Q if args.quick else GPU_SIZES["s_q"])
+
+    common = dict(workload=args.sweeps_workload, topk=GPU_SIZES["topk"], dtype="bf16", device="cuda")
+    if part in ("context", "sweep"):
+        common["backend"] = args.sweeps_backend
+    if part == "context":
+        return dict(common, context_lens=tuple(args.context_lens), heads=tuple(args.context_heads),
+                    s_q=s_q(args.context_s_q))
+    if part == "sweep":
+        return dict(common, group_sizes=tuple(args.sweep_group_sizes), thresholds=tuple(args.sweep_thresholds),
+                    h=args.sweep_heads, s_q=s_q(args.sweep_s_q), s_kv=args.sweep_s_kv)
+    return dict(common, heads=tuple(args.breakdown_heads), s_q=s_q(args.breakdown_s_q), s_kv=GPU_SIZES["s_kv"])
 
 
 def _report_md(path, env: dict, command: str, sections: dict, skipped: list[str]) -> None:
+    from .sweeps import MD, PARTS
+
     lines = ["# quilt-attn report", "", f"Command: `{command}`", "",
              f"GPU: {env['gpu']}; commit `{env['commit']}`; {env['date']}; versions {env['versions']}.", ""]
     if skipped:
@@ -653,6 +699,9 @@ def _report_md(path, env: dict, command: str, sections: dict, skipped: list[str]
                          f"{r['stages_ms']['attention']:.2f} | {r['attention_share']:.0%} | "
                          f"{f'{sp:.2f}x' if sp else ''} |")
         lines.append("")
+    for part in PARTS:  # quilt_attn.sweeps: sections[part] = (rows, png name or None)
+        if part in sections:
+            lines += MD[part](*sections[part])
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
@@ -662,6 +711,8 @@ def cmd_report(args, log: Progress) -> int:
 
     from .bench import environment
     from .report import REPO_ROOT, clip_accuracy, overlap_presets, write_benchmarks_md, write_json
+    from .sweeps import PARTS as SWEEP_PARTS
+    from .sweeps import estimate_seconds, run_part
 
     gpu = torch.cuda.is_available() and not args.cpu_only
     command = " ".join([PROG, *args.argv])
@@ -669,6 +720,8 @@ def cmd_report(args, log: Progress) -> int:
     skipped = [] if gpu else [p for p in parts if p in REPORT_GPU_PARTS]
     parts = [p for p in parts if gpu or p not in REPORT_GPU_PARTS]
     if args.out_dir is None:
+        if args.quick:
+            raise UsageError("argument --quick: needs --out-dir (a smoke run never writes into benchmarks/results)")
         if not gpu:
             raise UsageError("argument --out-dir: required without a CUDA GPU (a CPU run never writes into the "
                              "repository's benchmarks/results or BENCHMARKS.md)")
@@ -677,40 +730,39 @@ def cmd_report(args, log: Progress) -> int:
         from pathlib import Path
 
         out_dir = Path(args.out_dir).resolve()
-        if not gpu and out_dir in (REPO_ROOT.resolve(), (REPO_ROOT / "benchmarks" / "results").resolve()):
-            raise UsageError(f"argument --out-dir: a CPU run does not write into {out_dir} (recorded GPU results)")
+        recorded = (REPO_ROOT.resolve(), (REPO_ROOT / "benchmarks" / "results").resolve())
+        if (not gpu or args.quick) and out_dir in recorded:
+            raise UsageError(f"argument --out-dir: a {'quick' if args.quick else 'CPU'} run does not write into "
+                             f"{out_dir} (recorded GPU results)")
     os.makedirs(out_dir, exist_ok=True)
     env = environment()
     meta = dict(env, command=command)
-    clip_sizes = dict(CLIP_GPU if gpu else CLIP_CPU)
+    clip_sizes = dict(CLIP_GPU if gpu and not args.quick else CLIP_CPU)
     clip_sizes.update({k: getattr(args, f"clip_{k}") for k in clip_sizes if getattr(args, f"clip_{k}") is not None})
     log(f"report on {env['gpu']}: parts {', '.join(parts) or 'none'}; skipped {', '.join(skipped) or 'none'}; "
         f"output in {out_dir}")
-    sections, written, status = {}, [], 0
+    sections, written, status, grid_json = {}, [], 0, None
 
     if "grid" in parts:
         from .bench import format_rows, run_grid
 
         grid_json = out_dir / f"{gpu_slug(env['gpu'])}.json"
         log(f"benchmark grid -> {grid_json}")
-        rows = run_grid(str(grid_json), only=args.only, extra={"command": command}, log=log)
+        with _Part(log, "grid"):
+            rows = run_grid(str(grid_json), only=args.only, extra={"command": command}, log=log,
+                            **({"case_kwargs": {"s_q": QUICK_S_Q}} if args.quick else {}))
         print(format_rows([r for r in rows if "ms" in r]))
         written.append(str(grid_json))
         if any("error" in r for r in rows):
             status = 1
-        if args.no_benchmarks_md or args.only:
-            log("BENCHMARKS.md not written (--no-benchmarks-md or a partial grid with --only)")
-        else:
-            target = write_benchmarks_md(str(grid_json))
-            written.append(str(target))
-            print(f"{target} written")
 
     if "overlap" in parts:
         dev = "cuda" if gpu else "cpu"
         log(f"overlap profiles of {', '.join(args.overlap_workloads)}: s_q={args.overlap_s_q} "
             f"s_kv={args.overlap_s_kv} topk={args.overlap_topk} on {dev}")
-        prof = overlap_presets(args.overlap_workloads, s_q=args.overlap_s_q, s_kv=args.overlap_s_kv,
-                               topk=args.overlap_topk, device=dev, plot_dir=None if args.no_plots else out_dir)
+        with _Part(log, "overlap"):
+            prof = overlap_presets(args.overlap_workloads, s_q=args.overlap_s_q, s_kv=args.overlap_s_kv,
+                                   topk=args.overlap_topk, device=dev, plot_dir=None if args.no_plots else out_dir)
         for e in prof:
             print(f"workload: {e['workload']}")
             print(e["table"])
@@ -722,7 +774,8 @@ def cmd_report(args, log: Progress) -> int:
 
     if "clip" in parts:
         log(f"clipping accuracy: {clip_sizes}, thresholds {args.clip_thresholds}")
-        rows = clip_accuracy(args.clip_workloads, args.clip_thresholds, log=log, **clip_sizes)
+        with _Part(log, "clip"):
+            rows = clip_accuracy(args.clip_workloads, args.clip_thresholds, log=log, **clip_sizes)
         sections["clip"] = rows
         path = out_dir / ("clip_accuracy.json" if gpu else "clip_accuracy_small.json")
         write_json(path, dict(meta, rows=rows))
@@ -732,11 +785,34 @@ def cmd_report(args, log: Progress) -> int:
         from .layer import layer_proxy
 
         log(f"DSA layer proxy: heads {args.layer_heads}, query_parallel vs quilt")
-        rows = layer_proxy(heads=args.layer_heads, workloads=args.layer_workloads, reps=args.layer_reps, log=log)
+        with _Part(log, "layer"):
+            rows = layer_proxy(heads=args.layer_heads, workloads=args.layer_workloads, reps=args.layer_reps, log=log,
+                               **({"s_q": QUICK_S_Q} if args.quick else {}))
         sections["layer"] = rows
         path = out_dir / "layer_proxy.json"
         write_json(path, dict(meta, rows=rows))
         written.append(str(path))
+
+    for part in SWEEP_PARTS:  # quilt_attn.sweeps: context lengths, group x threshold sweep, time breakdown
+        if part not in parts:
+            continue
+        kw = _sweep_kwargs(args, part)
+        sizes = {k: v for k, v in kw.items() if k not in ("workload", "dtype", "device")}
+        log(f"{part}: {sizes}")
+        with _Part(log, part, estimate_seconds(part, **sizes)):
+            rows, files = run_part(part, out_dir, meta, plots=not args.no_plots, log=log, **kw)
+        sections[part] = (rows, os.path.basename(files[1]) if len(files) > 1 else None)
+        written += files
+        if any("error" in r for r in rows):
+            status = 1
+
+    if grid_json is not None:  # after the sweeps: BENCHMARKS.md shows those recorded next to the grid
+        if args.no_benchmarks_md or args.only or args.quick:
+            log("BENCHMARKS.md not written (--no-benchmarks-md, --quick, or a partial grid with --only)")
+        else:
+            target = write_benchmarks_md(str(grid_json))
+            written.append(str(target))
+            print(f"{target} written")
 
     md = out_dir / "report.md"
     _report_md(md, env, command, sections, skipped)
@@ -868,6 +944,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--warmup", type=_pos_int, default=25, metavar="MS", help="do_bench warmup, GPU (default: 25)")
     sp.add_argument("--rep", type=_pos_int, default=100, metavar="MS",
                     help="do_bench repetition time, GPU (default: 100)")
+    sp.add_argument("--backend", choices=("auto", "triton", "cuda"), default="auto",
+                    help="kernel backend (default: auto = the sm_90a CUDA kernel where it runs, else Triton)")
     common(sp)
     sp.set_defaults(func=cmd_demo)
 
@@ -911,7 +989,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_bench)
 
     # report
+    from . import sweeps
     from .report import OVERLAP_PRESETS
+
+    def unit_floats(text: str) -> list[float]:
+        return [_unit_float(x.strip()) for x in text.split(",") if x.strip()]
+
+    def groups(text: str) -> list[int]:
+        return [_group(x.strip()) for x in text.split(",") if x.strip()]
+
+    def csv(values) -> str:
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
 
     sp = sub.add_parser(
         "report", formatter_class=fmt, help="benchmark grid, overlap, clipping accuracy, layer proxy; BENCHMARKS.md",
@@ -921,12 +1009,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "overlap profiles of the presets, the importance-clipping accuracy study (as "
                     "benchmarks/clip_accuracy.py; float64 on the CPU), and the DSA layer proxy "
                     "(quilt_attn.layer: one layer, random weights, query_parallel vs quilt with preset indices); "
-                    "then BENCHMARKS.md from the grid (as benchmarks/make_benchmarks_md.py; hand-written text "
-                    "below its marker is kept). Default --out-dir there: benchmarks/results.\n"
+                    "the sweeps of quilt_attn.sweeps: context (latency and kv tiles by context length), sweep "
+                    "(QUILT group size x tile-aware clipping threshold, fallback off), breakdown (where the "
+                    "query-parallel kernel's time goes: kv load + gather, FP8 dequant, compute, from variants "
+                    "that leave a stage out); each writes a JSON and a PNG; then BENCHMARKS.md from the grid and "
+                    "the sweeps (as benchmarks/make_benchmarks_md.py; hand-written text below its marker is "
+                    "kept). Default --out-dir there: benchmarks/results. --quick shrinks every GPU part to "
+                    f"s_q {QUICK_S_Q} (and the clipping study to its CPU size) for a smoke run.\n"
                     "Without one (or with --cpu-only): only the overlap profiles and the clipping study at a small "
                     f"size (s_q {CLIP_CPU['s_q']}, s_kv {CLIP_CPU['s_kv']}, topk {CLIP_CPU['topk']}); the GPU "
                     "parts are listed as skipped; --out-dir is required and BENCHMARKS.md and benchmarks/results "
-                    "are never written.\n\nExit code 1 when a grid configuration failed.")
+                    "are never written.\n\nExit code 1 when a configuration of the grid or of a sweep failed.")
     sp.add_argument("--out-dir", metavar="DIR", help="output folder (required without a GPU; default on a GPU: "
                                                      "benchmarks/results)")
     sp.add_argument("--cpu-only", action="store_true", help="run the CPU parts only, even with a GPU")
@@ -935,7 +1028,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--only", type=_choice_list(WORKLOADS), metavar="W,W,...",
                     help="grid: keep these workloads (a partial grid does not rewrite BENCHMARKS.md)")
     sp.add_argument("--no-benchmarks-md", action="store_true", help="GPU: do not rewrite BENCHMARKS.md")
-    sp.add_argument("--no-plots", action="store_true", help="no overlap PNGs")
+    sp.add_argument("--no-plots", action="store_true", help="no PNGs (overlap profiles, sweeps)")
+    sp.add_argument("--quick", action="store_true",
+                    help=f"smoke run: every GPU part at s_q {QUICK_S_Q} (sizes given explicitly win), the clipping "
+                         "study at its CPU size; needs --out-dir; BENCHMARKS.md is not written")
     og = sp.add_argument_group("overlap profiles")
     og.add_argument("--overlap-workloads", type=_choice_list(WORKLOADS), default=list(OVERLAP_PRESETS),
                     metavar="W,W,...", help=f"(default: {','.join(OVERLAP_PRESETS)})")
@@ -948,7 +1044,7 @@ def build_parser() -> argparse.ArgumentParser:
     cg = sp.add_argument_group("clipping accuracy")
     cg.add_argument("--clip-workloads", type=_choice_list(WORKLOADS), default=["glm53-like", "ds32-like"],
                     metavar="W,W,...", help="(default: glm53-like,ds32-like)")
-    cg.add_argument("--clip-thresholds", type=lambda t: [_unit_float(x) for x in t.split(",") if x.strip()],
+    cg.add_argument("--clip-thresholds", type=unit_floats,
                     default=[0.25, 0.5, 0.75, 1.0], metavar="T,T,...", help="(default: 0.25,0.5,0.75,1.0)")
     for k in ("s_q", "s_kv", "topk", "heads"):
         cg.add_argument(f"--clip-{k.replace('_', '-')}", type=_pos_int, metavar="N",
@@ -958,6 +1054,32 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--layer-workloads", type=_choice_list(WORKLOADS), default=["glm53-like", "ds32-like"],
                     metavar="W,W,...", help="preset indices injected (default: glm53-like,ds32-like)")
     lg.add_argument("--layer-reps", type=_pos_int, default=5, metavar="N", help="timed calls, median (default: 5)")
+    wg = sp.add_argument_group("sweeps (GPU): context, sweep, breakdown; top-k 2048, bf16, do_bench "
+                               f"warmup {sweeps.TIMING['warmup']} / rep {sweeps.TIMING['rep']} ms")
+    wg.add_argument("--sweeps-workload", choices=WORKLOADS, default="glm53-like", metavar="W",
+                    help="workload of the three sweeps (default: glm53-like)")
+    wg.add_argument("--sweeps-backend", choices=("triton", "auto", "cuda"), default="triton",
+                    help="sparse_prefill backend of context and sweep (breakdown always runs the Triton kernel, "
+                         "the only one with its no-kv-load variant) (default: triton)")
+    wg.add_argument("--context-lens", type=_int_list, default=list(sweeps.CONTEXT_LENS), metavar="N,N,...",
+                    help=f"context: context lengths s_kv (default: {csv(sweeps.CONTEXT_LENS)})")
+    wg.add_argument("--context-heads", type=_int_list, default=[16], metavar="H,H,...",
+                    help="context: head counts (default: 16)")
+    wg.add_argument("--context-s-q", type=_pos_int, metavar="N",
+                    help=f"context: queries, capped at each s_kv (default: {GPU_SIZES['s_q']}; --quick {QUICK_S_Q})")
+    wg.add_argument("--sweep-group-sizes", type=groups, default=list(sweeps.SWEEP_GROUP_SIZES), metavar="G,G,...",
+                    help=f"sweep: group sizes, powers of two in [1, 16] (default: {csv(sweeps.SWEEP_GROUP_SIZES)})")
+    wg.add_argument("--sweep-thresholds", type=unit_floats, default=list(sweeps.SWEEP_THRESHOLDS), metavar="T,T,...",
+                    help=f"sweep: tile-aware clipping thresholds in [0, 1] (default: {csv(sweeps.SWEEP_THRESHOLDS)})")
+    wg.add_argument("--sweep-heads", type=_pos_int, default=16, metavar="H", help="sweep: heads (default: 16)")
+    wg.add_argument("--sweep-s-q", type=_pos_int, metavar="N",
+                    help=f"sweep: queries (default: {GPU_SIZES['s_q']}; --quick {QUICK_S_Q})")
+    wg.add_argument("--sweep-s-kv", type=_pos_int, default=GPU_SIZES["s_kv"], metavar="N",
+                    help=f"sweep: context length (default: {GPU_SIZES['s_kv']})")
+    wg.add_argument("--breakdown-heads", type=_int_list, default=list(sweeps.BREAKDOWN_HEADS), metavar="H,H,...",
+                    help=f"breakdown: head counts (default: {csv(sweeps.BREAKDOWN_HEADS)})")
+    wg.add_argument("--breakdown-s-q", type=_pos_int, metavar="N",
+                    help=f"breakdown: queries (default: {GPU_SIZES['s_q']}; --quick {QUICK_S_Q})")
     common(sp)
     sp.set_defaults(func=cmd_report)
     return p

@@ -4,7 +4,8 @@
   the indexer (``benchmarks/clip_accuracy.py``).
 * ``overlap_presets``: overlap profiles of the realistic workload presets.
 * ``write_benchmarks_md``: BENCHMARKS.md (the generated part above ``MARKER``) and its plot from a
-  recorded grid results file (``benchmarks/make_benchmarks_md.py``).
+  recorded grid results file (``benchmarks/make_benchmarks_md.py``), plus the sweeps of
+  ``quilt_attn.sweeps`` recorded next to it.
 """
 from __future__ import annotations
 
@@ -131,7 +132,9 @@ def _rel(path: Path, root: Path) -> str:
 def write_benchmarks_md(results: str, *, target=None, root=None, png=None) -> Path:
     """Write the generated part of BENCHMARKS.md (above ``MARKER``) and its plot from grid results.
 
-    results : a JSON written by ``quilt_attn.bench.run_grid`` / ``save``.
+    results : a JSON written by ``quilt_attn.bench.run_grid`` / ``save``; the sweeps of
+        ``quilt_attn.sweeps`` recorded in the same folder (``context_lengths.json``, ...) become
+        sections below the grid table.
     target : the markdown file (default ``<root>/BENCHMARKS.md``); hand-written text below
         ``MARKER`` in an existing file is kept.
     root : paths in the text are relative to it (default: the repository root).
@@ -161,8 +164,9 @@ def write_benchmarks_md(results: str, *, target=None, root=None, png=None) -> Pa
         "HOPPER-NOTES (it pads 8-32 heads to 64). Reproduce: `python benchmarks/run_grid.py --out FILE`, then",
         f"`python benchmarks/make_benchmarks_md.py FILE` (or `quilt-attn report`). Raw rows: `{_rel(results, root)}`.",
         "",
-        "| workload | kv | h | method | ms | TFLOP/s | kv tiles | vs query-parallel | vs FlashMLA | plan ms | rel_err | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | kv | h | method | backend | ms | TFLOP/s | kv tiles | vs query-parallel (Triton) | vs FlashMLA | "
+        "plan ms | rel_err | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         cfg = r.get("config", {})
@@ -171,18 +175,27 @@ def write_benchmarks_md(results: str, *, target=None, root=None, png=None) -> Pa
             note = f"dropped {r['dropped_pairs']} pairs"
         sp = r.get("speedup_vs_query_parallel")
         fm = FLASHMLA_MS.get(r["h"]) if r["workload"] != "random" else None
-        vs_qp = f"{sp:.2f}x" if sp and r["method"] != "query_parallel" else ""
+        vs_qp = f"{sp:.2f}x" if sp and (r["method"], r.get("backend")) != ("query_parallel", "triton") else ""
         vs_fm = f"{fm / r['ms']:.2f}x" if fm else ""
         lines.append(
-            f"| {r['workload']} | {r['kv']} | {r['h']} | {r['method']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
+            f"| {r['workload']} | {r['kv']} | {r['h']} | {r['method']} | {r.get('backend', 'triton')} | {r['ms']:.2f} | "
+            f"{r['tflops']:.0f} | "
             f"{r['kv_tiles']} | {vs_qp} | {vs_fm} | {r['plan_ms']:.2f} | {r['rel_err']:.1e} | {note} |")
     lines += ["", f"![latency by head count]({_rel(png, root)})", ""]
+    # the report's sweeps recorded next to the grid results (quilt_attn.sweeps), when there are any
+    from .sweeps import recorded_sections
+
+    lines += recorded_sections(results.parent, rel=lambda p: _rel(p, root))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (wl, kv, m), style in [(("glm53-like", "bf16", "query_parallel"), "o--"), (("glm53-like", "bf16", "quilt"), "o-"),
-                               (("ds32-like", "bf16", "quilt"), "s-"), (("qasper-like", "bf16", "quilt"), "^-")]:
-        pts = sorted((r["h"], r["ms"]) for r in rows if (r["workload"], r["kv"], r["method"]) == (wl, kv, m))
+    for (wl, kv, m, be), style in [(("glm53-like", "bf16", "query_parallel", "triton"), "o--"),
+                                   (("glm53-like", "bf16", "quilt", "triton"), "o-"),
+                                   (("glm53-like", "bf16", "quilt", "cuda"), "o-"),
+                                   (("ds32-like", "bf16", "quilt", "cuda"), "s-"),
+                                   (("qasper-like", "bf16", "quilt", "cuda"), "^-")]:
+        pts = sorted((r["h"], r["ms"]) for r in rows
+                     if (r["workload"], r["kv"], r["method"], r.get("backend", "triton")) == (wl, kv, m, be))
         if pts:
-            ax.plot(*zip(*pts), style, label=f"{m} {wl}")
+            ax.plot(*zip(*pts), style, label=f"{m} {wl} ({be})")
     hs = sorted(FLASHMLA_MS)
     ax.plot(hs, [FLASHMLA_MS[h] for h in hs], "k:", label="FlashMLA sm90 (padded to 64 heads)")
     ax.plot(hs, [GOAL_MS[h] for h in hs], "g:", label="goal (glm53-like)")

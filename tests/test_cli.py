@@ -275,7 +275,7 @@ def test_report_cpu_path_writes_out_dir_only(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", "--out-dir", str(out), *TINY_REPORT]) == 0
     cap = capsys.readouterr()
-    assert "skipped (need a CUDA GPU): grid, layer" in cap.out
+    assert "skipped (need a CUDA GPU): grid, layer, context, sweep, breakdown" in cap.out
     assert "workload: govreport-like" in cap.out and "cascaded 8->1" in cap.out
     names = {p.name for p in out.iterdir()}
     assert {"overlap_presets.json", "clip_accuracy_small.json", "report.md", "report.json",
@@ -292,8 +292,9 @@ def test_report_cpu_path_writes_out_dir_only(tmp_path, capsys):
     assert [(r["workload"], r["clip_threshold"], r["s_q"], r["s_kv"]) for r in clip] == \
         [("glm53-like", 0.5, 16, 1024), ("ds32-like", 0.5, 16, 1024)]
     idx = json.loads((out / "report.json").read_text())
-    assert idx["parts"] == ["overlap", "clip"] and idx["skipped_need_gpu"] == ["grid", "layer"]
-    assert "Skipped (need a CUDA GPU): grid, layer" in (out / "report.md").read_text()
+    assert idx["parts"] == ["overlap", "clip"]
+    assert idx["skipped_need_gpu"] == ["grid", "layer", "context", "sweep", "breakdown"]
+    assert "Skipped (need a CUDA GPU): grid, layer, context, sweep, breakdown" in (out / "report.md").read_text()
     for p in protected:
         assert (p.read_bytes(), p.stat().st_mtime_ns) == before[p]
 
@@ -329,7 +330,7 @@ def test_report_md_from_results_keeps_hand_written_part(tmp_path):
     md.write_text("old\n" + MARKER + "\nhand-written\n")
     write_benchmarks_md(str(res), target=md, root=tmp_path)
     text = md.read_text()
-    assert "| glm53-like | bf16 | 16 | quilt | 6.90 |" in text and "1.20x" in text
+    assert "| glm53-like | bf16 | 16 | quilt | triton | 6.90 |" in text and "1.20x" in text
     assert text.endswith(MARKER + "\nhand-written\n") and "old" not in text
     assert "results/g.json" in text and (tmp_path / "results" / "g.png").exists()
 
@@ -356,7 +357,8 @@ def test_report_gpu_path_wiring(tmp_path, monkeypatch, capsys):
         {"heads": 16, "workload": "glm53-like", "method": "quilt", "stages_ms": {"total": 2.0, "attention": 1.0},
          "attention_share": 0.5, "layer_speedup_vs_query_parallel": 1.1}])
     out = tmp_path / "gpu"
-    assert main(["report", "--out-dir", str(out), "--skip", "overlap,clip", "-q"]) == 1  # the grid had an error
+    assert main(["report", "--out-dir", str(out), "--skip", "overlap,clip,context,sweep,breakdown",
+                 "-q"]) == 1  # the grid had an error
     assert calls["grid"][0] == str(out / "nvidia-h200.json") and calls["grid"][2]["command"].startswith("quilt-attn")
     assert calls["md"] == str(out / "nvidia-h200.json")
     assert calls["layer"]["heads"] == [16, 128]

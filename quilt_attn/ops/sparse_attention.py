@@ -52,6 +52,17 @@ def _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8: tl.constexpr, DV: tl.co
 
 
 @triton.jit
+def _synthetic_kv(rows, c0, BT: tl.constexpr, NC: tl.constexpr, DTYPE: tl.constexpr):
+    """A ``[BT, NC]`` stand-in for kv columns ``c0 .. c0 + NC`` of ``rows``, from registers (``SKIP_KV``).
+
+    Values in [-0.5, 0.5) built from the row and column numbers: no kv memory is read, yet the tile
+    depends on this iteration's indices, so the compiler can neither drop nor hoist the products.
+    """
+    v = (rows.to(tl.int32)[:, None] + c0 + tl.arange(0, NC)[None, :]) & 15
+    return (v.to(tl.float32) * 0.0625 - 0.5).to(DTYPE)
+
+
+@triton.jit
 def _sparse_attention_kernel(
     q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr,
     idx_ptr, len_ptr,  # query-parallel: indices [s_q, topk], optional topk_length [s_q]
@@ -65,6 +76,7 @@ def _sparse_attention_kernel(
     HAS_INIT: tl.constexpr, PARTIAL: tl.constexpr,
     G: tl.constexpr, QP: tl.constexpr, HB: tl.constexpr, BT: tl.constexpr,
     DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr,
+    SKIP_KV: tl.constexpr = False,  # timing study only: kv tiles from registers, no kv loads (wrong outputs)
 ):
     M: tl.constexpr = QP * HB
     pid = tl.program_id(0)
@@ -130,11 +142,18 @@ def _sparse_attention_kernel(
             col_ok = (kidx >= 0) & (kidx < s_kv)
             own = col_ok[None, :] & (qi[:, None] >= 0)
         rows = tl.where(col_ok, kidx, 0).to(tl.int64)
-        ka = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_own, FP8, BT, DVS, DTYPE)
-        kr = _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8, DV, DR, DTYPE)
+        if SKIP_KV:
+            ka = _synthetic_kv(rows, c_own, BT, DVS, DTYPE)
+            kr = _synthetic_kv(rows, DV, BT, DR, DTYPE)
+        else:
+            ka = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_own, FP8, BT, DVS, DTYPE)
+            kr = _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8, DV, DR, DTYPE)
         s = tl.dot(q_a, tl.trans(ka))
         if DVS < DV:
-            kb = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_oth, FP8, BT, DVS, DTYPE)
+            if SKIP_KV:
+                kb = _synthetic_kv(rows, c_oth, BT, DVS, DTYPE)
+            else:
+                kb = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_oth, FP8, BT, DVS, DTYPE)
             s = tl.dot(q_b, tl.trans(kb), s)
         s = tl.dot(q_rope, tl.trans(kr), s)
         s = tl.where(own, s * sm_scale2, float("-inf"))
@@ -223,8 +242,13 @@ def runs_quilt(plan, h: int, fallback: bool = True) -> bool:
     return not fallback or plan.importance_clip or quilt_pays_off(plan, h)
 
 def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-            attn_sink=None, init=None, partial=False, dv_split=1, num_warps=None, num_stages=None):
-    """One kernel pass over ``plan``'s tiles or, without a plan, over ``indices`` query by query."""
+            attn_sink=None, init=None, partial=False, dv_split=1, num_warps=None, num_stages=None,
+            _skip_kv=False):
+    """One kernel pass over ``plan``'s tiles or, without a plan, over ``indices`` query by query.
+
+    ``_skip_kv`` (private, timing studies): the kernel reads no kv rows and multiplies synthetic
+    tiles instead, so its time is compute + softmax + index reads; the outputs are meaningless.
+    """
     import torch
 
     from ..reference import LOG2E
@@ -259,20 +283,21 @@ def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_le
         float(sm_scale) * LOG2E,
         FROM_PLAN=plan is not None, HAS_LEN=topk_length is not None and plan is None,
         HAS_SINK=attn_sink is not None, FP8=fp8, HAS_INIT=init is not None, PARTIAL=partial,
-        G=G, QP=QP, HB=HB, BT=bt, DV=d_v, DR=d_qk - d_v, DVS=d_v // dv_split,
+        G=G, QP=QP, HB=HB, BT=bt, DV=d_v, DR=d_qk - d_v, DVS=d_v // dv_split, SKIP_KV=bool(_skip_kv),
         num_warps=num_warps, num_stages=num_stages,
     )
     LAST_COMPILED["kernel"] = compiled  # registers / spills, for benchmarks
 
 
 def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
-                            attn_sink=None, dv_split=1, num_warps=None, num_stages=None):
+                            attn_sink=None, dv_split=1, num_warps=None, num_stages=None, _skip_kv=False):
     """Allocate outputs and run the kernel pass(es); arguments are already checked.
 
     ``q [s_q, h, d_qk]``; ``kv`` dense ``[s_kv, d_qk]`` of q's dtype or FP8 ``uint8 [s_kv, 656]``.
     Without a plan: query-parallel over ``indices [s_q, topk]``. With a plan: its tiles; when the plan
     split private rows off, a second, query-parallel pass over ``plan.priv_idx`` continues each
     row's online-softmax state from the first (kept in float32) and writes the outputs.
+    ``_skip_kv`` (private): no kv loads, synthetic tiles (see ``_launch``); outputs meaningless.
     """
     import torch
 
@@ -282,7 +307,7 @@ def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=N
     lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
     if s_q == 0:
         return out, max_logits, lse
-    kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
+    kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages, _skip_kv=_skip_kv)
     if plan is None:
         _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices, topk_length=topk_length,
                 attn_sink=attn_sink, **kw)

@@ -1,0 +1,50 @@
+"""A small run of the CUDA kernel for compute-sanitizer (memcheck / racecheck / synccheck).
+
+    compute-sanitizer --tool memcheck  python benchmarks/sanitize_cuda.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_cuda.py
+
+Launches only the sm_90a kernel (plan built by the torch planner on the CPU, so no Triton kernel
+runs under the sanitizer): QUILT with a plan at h=16 and h=3, query-parallel with invalid indices
+and topk_length at h=64, fp16 partial output; checks each against the float64 reference.
+"""
+import torch
+
+from quilt_attn import plan as make_plan
+from quilt_attn import sparse_prefill_reference
+from quilt_attn.ops import cuda_backend
+from quilt_attn.workloads import generate
+
+torch.manual_seed(0)
+s_q, s_kv, topk = 32, 1024, 200
+idx_cpu = generate("glm53-like", s_q, s_kv, topk, seed=1)
+idx_cpu[3, :20] = -1
+idx_cpu[5, 7] = s_kv + 3
+idx = idx_cpu.cuda()
+kv = torch.randn(s_kv, 576, dtype=torch.bfloat16, device="cuda")
+worst = 0.0
+for h, use_plan, dtype in [(16, True, torch.bfloat16), (3, True, torch.bfloat16), (64, False, torch.bfloat16),
+                           (16, True, torch.float16)]:
+    q = torch.randn(s_q, h, 576, dtype=dtype, device="cuda")
+    kvd = kv.to(dtype)
+    out = torch.full((s_q, h, 512), float("nan"), dtype=dtype, device="cuda")
+    ml = torch.full((s_q, h), float("nan"), device="cuda")
+    lse = torch.full_like(ml, float("nan"))
+    lengths = None
+    if use_plan:
+        from quilt_attn.ops.sparse_attention import program_shape
+
+        p = make_plan(idx_cpu, s_kv=s_kv, merge_level=program_shape(h, 8)[0], split_private=False, backend="torch")
+        p = type(p)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p.__dict__.items()
+                       if not k.startswith("_")})
+        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, plan=p)
+    else:
+        lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32, device="cuda")
+        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths)
+    torch.cuda.synchronize()
+    ro, _, rl = sparse_prefill_reference(q.cpu(), kvd.cpu(), idx_cpu, 576**-0.5, d_v=512,
+                                         topk_length=None if lengths is None else lengths.cpu())
+    err = float((out.cpu().double() - ro).norm() / ro.norm())
+    worst = max(worst, err)
+    print(f"h={h:<3} plan={use_plan!s:<5} {str(dtype):<15} rel-L2 {err:.2e}  nan={bool(out.isnan().any())}")
+assert worst < 1e-2, worst
+print("sanitize case OK")
