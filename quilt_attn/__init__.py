@@ -1,6 +1,7 @@
 """quilt-attn: shared-query execution (QUILT) for top-K sparse-attention prefill."""
 from .api import sparse_prefill
 from .kv_cache import dequantize_fp8, quantize_fp8
+from .pipeline import sparse_prefill_pipelined
 from .planner import Plan, plan
 from .reference import sparse_prefill_reference
 

@@ -143,11 +143,12 @@ def sparse_prefill(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
     knobs = dv_split != 1 or num_warps is not None or num_stages is not None
+    auto = backend == "auto"
     backend = choose_backend(backend, q, kv, d_v, plan, tile=tile, triton_knobs=knobs)
     if backend == "cuda":
         return _run_cuda(q, kv, indices, sm_scale, d_v, method=method, plan=plan, group_size=group_size, tile=tile,
                          clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level,
-                         fallback=fallback, attn_sink=attn_sink, topk_length=topk_length)
+                         fallback=fallback, attn_sink=attn_sink, topk_length=topk_length, auto=auto)
     if not _kernels_can_run(q.device):
         raise ValueError(f"method={method!r} runs Triton kernels: q must be on a CUDA device "
                          f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
@@ -217,28 +218,63 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
     return "triton"
 
 
-def _run_cuda(q, kv, indices, sm_scale, d_v, *, method, plan, group_size, tile, clip_threshold, importance_clip,
-              merge_level, fallback, attn_sink, topk_length):
-    """The CUDA backend's dispatch: every tile is a 64-row matrix product, so QUILT never loses to
-    query-parallel below 64 heads (a query's own tile is as costly as a shared one) and is skipped at 64+."""
+def _cuda_setup(q, kv, *, group_size, tile, clip_threshold, importance_clip, merge_level, fallback):
+    """What the CUDA backend runs from: kv as its kernel reads it, and the settings of the plans it runs.
+
+    Shared by ``_run_cuda`` and ``pipeline.sparse_prefill_pipelined``, so that both expand kv and plan alike.
+
+    Parameters
+    ----------
+    q : ``[s_q, h, 576]`` bf16 / fp16.
+    kv : as ``_check_kernel_inputs`` returns it: ``[s_kv, 576]`` of q's dtype or the FP8 cache
+        ``uint8 [s_kv, 656]``.
+    group_size, tile, clip_threshold, importance_clip, merge_level, fallback : as in ``sparse_prefill``.
+
+    Returns
+    -------
+    kv : ``[s_kv, 576]`` of q's dtype; an FP8 cache is expanded here, once per call (1152 bytes a row):
+        prefill reads each row many times, and the kernel reads dense rows only.
+    plan_kw : ``quilt_attn.plan`` keywords without ``s_kv`` / ``topk_length``, or None where nothing is
+        to be planned: with ``fallback`` at ``h >= 64`` one query already fills a 64-row tile, so the
+        kernel runs query-parallel over all queries.
+    """
     from .kv_cache import dequantize_fp8
-    from .ops.cuda_backend import launch_sparse_attention_cuda
     from .ops.sparse_attention import program_shape
 
-    if kv.dtype == torch.uint8:  # prefill reads each row many times: expand the FP8 cache once (1152 B a row)
+    if kv.dtype == torch.uint8:
         kv = dequantize_fp8(kv, q.dtype)
-    s_q, h, _ = q.shape
+    qp = program_shape(q.shape[1], group_size)[0]
+    if fallback and not importance_clip and qp == 1:
+        return kv, None
+    # every CUDA tile is a 64-row product: a query's own rows cost as much alone as in a shared tile,
+    # so nothing is split off into 16-row private programs -- except under importance clipping, which
+    # clips the private lists (those then run in the Triton query pass that continues the CUDA state)
+    return kv, dict(group_size=group_size, tile=tile, clip_threshold=clip_threshold, importance_clip=importance_clip,
+                    merge_level=qp if merge_level is None else merge_level, split_private=importance_clip)
+
+
+def _run_cuda(q, kv, indices, sm_scale, d_v, *, method, plan, group_size, tile, clip_threshold, importance_clip,
+              merge_level, fallback, attn_sink, topk_length, auto=False):
+    """The CUDA backend's dispatch: every tile is a 64-row matrix product, so QUILT never loses to the
+    CUDA query-parallel kernel below 64 heads (a query's own tile is as costly as a shared one) and is
+    skipped at 64+. Chosen by ``backend="auto"`` (``auto``) with ``fallback``, a plan that shares too
+    little runs Triton's 16- / 32-row query programs instead (``cuda_backend.cuda_pays_off``)."""
+    from .ops.cuda_backend import cuda_pays_off, launch_sparse_attention_cuda
+    from .ops.sparse_attention import launch_sparse_attention
+
+    kv, plan_kw = _cuda_setup(q, kv, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
+                              importance_clip=importance_clip, merge_level=merge_level, fallback=fallback)
     run = dict(attn_sink=attn_sink)
-    qp = program_shape(h, group_size)[0]
-    if method == "query_parallel" or (plan is None and fallback and not importance_clip and qp == 1):
+    if method == "query_parallel" or (plan is None and plan_kw is None):
         return launch_sparse_attention_cuda(q, kv, sm_scale, d_v, indices=indices.contiguous(),
                                             topk_length=topk_length, **run)
     if plan is None:
-        plan = make_plan(indices, s_kv=kv.shape[0], topk_length=topk_length, group_size=group_size, tile=tile,
-                         clip_threshold=clip_threshold, importance_clip=importance_clip,
-                         merge_level=qp if merge_level is None else merge_level, split_private=False)
+        plan = make_plan(indices, s_kv=kv.shape[0], topk_length=topk_length, **plan_kw)
     else:
         _check_plan(plan, q, indices, kv.shape[0])
+    if auto and fallback and not plan.importance_clip and not cuda_pays_off(plan, q.shape[1]):
+        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
+                                       **run)
     return launch_sparse_attention_cuda(q, kv, sm_scale, d_v, plan=plan, **run)
 
 

@@ -129,6 +129,34 @@ def unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None) -
     return None
 
 
+# Time a tile, ns, aggregated over the whole grid (benchmarks/results/h200.json, session 3): a 64-row
+# CUDA tile (21-23 ns at h = 8..32, any sharing) and a Triton query-parallel tile by program rows.
+CUDA_TILE_NS = 22.0
+TRITON_QP_TILE_NS = {16: 17.5, 32: 20.6}
+
+
+def cuda_pays_off(plan, h: int) -> bool:
+    """Whether running ``plan`` with the CUDA kernel beats Triton's query-parallel kernel at ``h`` heads.
+
+    With little sharing the CUDA kernel's 64-row tiles are mostly masked while Triton runs 16- or
+    32-row query programs (random indices at h = 16: 11.4 ms against 9.7). One host sync, cached in
+    the plan (built once, run many times).
+    """
+    from .sparse_attention import program_shape
+
+    key = ("cuda_pays_off", h)
+    if key not in plan._work:
+        qp, _ = program_shape(h, plan.group_size)
+        rows16 = program_shape(h, 1)[1]
+        if qp == 1 or rows16 not in TRITON_QP_TILE_NS:
+            plan._work[key] = True
+        else:
+            cuda_tiles = int(plan.work_list(qp)[1].sum())
+            qp_tiles = -(-int(plan.valid_pairs) // 64)
+            plan._work[key] = cuda_tiles * CUDA_TILE_NS < qp_tiles * TRITON_QP_TILE_NS[rows16]
+    return plan._work[key]
+
+
 def _ptr(t) -> int | None:
     return None if t is None else t.data_ptr()
 

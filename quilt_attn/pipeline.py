@@ -1,0 +1,358 @@
+"""Chunked QUILT prefill with the planner overlapped: plan chunk i+1 on a side stream while chunk i attends.
+
+Planning 16384 x 2048 indices costs 34-42% of the attention it serves on the H200 (benchmarks/NOTES.md,
+"Planner, current"). Groups are aligned to query 0 and planned independently, so the queries can be
+cut into chunks of whole groups: the plan of a chunk equals the corresponding groups of the full plan
+(tested), and each chunk's attention writes its rows of one preallocated output. On a CUDA device the
+planner runs on a side stream one chunk ahead of the attention on the current stream; only the first
+chunk's plan is exposed. On the CPU (Triton interpreter) the same steps run one after another.
+
+On Triton, fallback (QUILT vs query-parallel) is decided per chunk, by the rule ``sparse_prefill``
+applies per plan (``runs_quilt``). That decision reads a sum on the host. It is made on the side stream right after the
+chunk's plan, so the host waits for that planner only, while the previous chunk's attention keeps the
+current stream busy; the pipeline stalls only where planning a chunk takes longer than attending the
+one before it. ``fallback=False`` (or ``importance_clip``) makes no host sync at all.
+
+Backends are those of ``sparse_prefill`` (``backend=``, resolved once per call by ``api.choose_backend``).
+The CUDA kernel runs every tile as a 64-row product, so its chunks are planned as ``sparse_prefill``
+plans for it (``api._cuda_setup``: no private split; an FP8 cache expanded once per call) and always
+run QUILT: no fallback decision, hence no host sync. At ``h >= 64`` with ``fallback`` (and without
+``importance_clip``) neither backend plans: all queries run query-parallel in one launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._checks import (
+    canonical_indices,
+    check_attn_sink,
+    check_topk_length,
+    require_ndim,
+    require_same_device,
+    require_tensor,
+)
+from .api import BACKENDS, _check_kernel_inputs, _cuda_setup, _is_pow2, _kernels_can_run, choose_backend
+from .planner import Plan
+from .planner import plan as make_plan
+from .planner.membership import check_group_size
+
+# One planning stream per device: the Triton planner shares a per-device scratch table
+# (planner/triton_plan.py, _workspace), so two plans must never run at once on two streams.
+_PLAN_STREAMS: dict = {}
+
+
+def chunk_bounds(s_q: int, chunk: int, group_size: int, first_chunk: int | None = None) -> list[tuple[int, int]]:
+    """Query ranges ``[(q0, q1), ...]`` covering ``0 .. s_q``: ``first_chunk`` queries, then ``chunk`` each.
+
+    Both sizes must be whole multiples of ``group_size`` so that every chunk starts on a group boundary
+    (groups are aligned to query 0); the last chunk takes what is left (it may end in a partial group,
+    padded by the planner as the unchunked plan pads it).
+    """
+    check_group_size(group_size)
+    first = chunk if first_chunk is None else first_chunk
+    for name, n in (("chunk", chunk), ("first_chunk", first)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n % group_size:
+            raise ValueError(f"{name} must be a positive multiple of group_size = {group_size} (chunks hold whole, "
+                             f"query-0-aligned groups), got {n!r}")
+    bounds, q0 = [], 0
+    while q0 < s_q:
+        q1 = min(s_q, q0 + (first if q0 == 0 else chunk))
+        bounds.append((q0, q1))
+        q0 = q1
+    return bounds
+
+
+def _plan_settings(h: int, group_size, tile, clip_threshold, importance_clip, merge_level, split_private) -> dict:
+    """``quilt_attn.plan`` keywords with ``sparse_prefill``'s defaults (merge level = queries a program)."""
+    from .ops.sparse_attention import program_shape
+
+    if merge_level is None:
+        merge_level = program_shape(h, group_size)[0]
+    if not isinstance(tile, int) or tile < 16 or not _is_pow2(tile):
+        raise ValueError(f"the kernel needs a tile that is a power of two >= 16, got {tile!r}")
+    return dict(group_size=group_size, tile=tile, clip_threshold=clip_threshold, importance_clip=importance_clip,
+                merge_level=merge_level, split_private=split_private)
+
+
+def plan_chunks(indices: torch.Tensor, h: int, *, s_kv: int, chunk: int = 4096, first_chunk: int | None = None,
+                topk_length: torch.Tensor | None = None, group_size: int = 8, tile: int = 64,
+                clip_threshold: float = 0.5, importance_clip: bool = False, merge_level: int | None = None,
+                split_private: bool = True) -> list[Plan]:
+    """Plan ``indices`` chunk by chunk, on the current stream, for ``sparse_prefill_pipelined(plans=...)``.
+
+    Parameters
+    ----------
+    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``).
+    h : heads of the q the plans will serve (sets the default ``merge_level``, as in ``sparse_prefill``).
+    s_kv, topk_length, group_size, tile, clip_threshold, importance_clip, merge_level, split_private :
+        as in ``sparse_prefill``. chunk, first_chunk : see ``chunk_bounds``.
+
+    Returns
+    -------
+    One ``Plan`` a chunk, for ``indices[q0:q1]`` of ``chunk_bounds(s_q, chunk, group_size, first_chunk)``;
+    each equals the corresponding groups of the unchunked plan.
+    """
+    indices = canonical_indices(indices)
+    s_q = indices.shape[0]
+    topk_length = check_topk_length(topk_length, s_q, indices.device)
+    pkw = _plan_settings(h, group_size, tile, clip_threshold, importance_clip, merge_level, split_private)
+    return [make_plan(indices[q0:q1], s_kv=s_kv, topk_length=None if topk_length is None else topk_length[q0:q1],
+                      **pkw)
+            for q0, q1 in chunk_bounds(s_q, chunk, group_size, first_chunk)]
+
+
+def _plan_tensors(p: Plan):
+    """Every tensor a plan holds, its cached work lists included (all read by the attention kernels)."""
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        if isinstance(v, torch.Tensor):
+            yield v
+    for v in p._work.values():
+        for t in v if isinstance(v, tuple) else (v,):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def _attend(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, quilt, indices, topk_length, attn_sink, tuning):
+    """One chunk's attention into the given output views (the passes of ``launch_sparse_attention``).
+
+    ``launch_sparse_attention`` allocates its outputs; writing each chunk straight into its rows of one
+    output saves concatenating them afterwards (a copy of ``out``: ~0.1 ms at 16384 x 16 x 512 bf16).
+    The kernel addresses ``out`` by its strides and ``max_logits`` / ``lse`` as contiguous ``[s_q, h]``,
+    which row slices of contiguous tensors are.
+    """
+    from .ops.sparse_attention import _launch
+
+    if not quilt:  # fallback: query by query, exactly as sparse_prefill's query-parallel path
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices.contiguous(), topk_length=topk_length,
+                attn_sink=attn_sink, **tuning)
+    elif not plan.split_private:
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **tuning)
+    else:  # shared tiles into float32 partial state, then the private pass continues it and writes the outputs
+        s, h, _ = q.shape
+        part = (torch.empty(s, h, d_v, dtype=torch.float32, device=q.device),
+                torch.empty(s, h, dtype=torch.float32, device=q.device),
+                torch.empty(s, h, dtype=torch.float32, device=q.device))
+        _launch(q, kv, sm_scale, d_v, *part, plan=plan, partial=True, **tuning)
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
+                attn_sink=attn_sink, init=part, **tuning)
+
+
+def _attend_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink):
+    """One chunk's CUDA attention into the given output views (the passes of ``launch_sparse_attention_cuda``).
+
+    ``q [s, h, 576]``, dense ``kv [s_kv, 576]`` of q's dtype; ``out [s, h, 512]``, ``max_logits, lse [s, h]``
+    row slices of the call's outputs (the kernel takes any strides for out's first two dimensions).
+    """
+    from .ops.cuda_backend import launch
+    from .ops.sparse_attention import _launch
+
+    if not plan.split_private:
+        launch(q, kv, sm_scale, out, max_logits, lse, plan=plan, attn_sink=attn_sink)
+    else:  # a prebuilt plan that split private rows off: shared tiles here, private rows in the Triton pass
+        s, h, _ = q.shape
+        part = (torch.empty(s, h, d_v, dtype=torch.float32, device=q.device),
+                torch.empty(s, h, dtype=torch.float32, device=q.device),
+                torch.empty(s, h, dtype=torch.float32, device=q.device))
+        launch(q, kv, sm_scale, *part, plan=plan, partial=True)
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
+                attn_sink=attn_sink, init=part)
+
+
+def _default_plan_stream(device: torch.device):
+    """A high-priority stream per device: its planner programs are dispatched ahead of the attention
+    programs still waiting for an SM, so the next chunk's plan is ready early instead of queueing
+    behind the whole attention grid."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _PLAN_STREAMS:
+        _PLAN_STREAMS[key] = torch.cuda.Stream(device=device, priority=torch.cuda.Stream.priority_range()[1])
+    return _PLAN_STREAMS[key]
+
+
+def sparse_prefill_pipelined(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    chunk: int = 4096,
+    first_chunk: int | None = None,
+    plans: list[Plan] | None = None,
+    group_size: int = 8,
+    tile: int = 64,
+    clip_threshold: float = 0.5,
+    importance_clip: bool = False,
+    merge_level: int | None = None,
+    split_private: bool = True,
+    fallback: bool = True,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    dv_split: int = 1,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    plan_stream=None,
+    backend: str = "auto",
+):
+    """QUILT sparse prefill in chunks of queries, each chunk planned while the previous one attends.
+
+    Same semantics, arguments and defaults as ``sparse_prefill(method="quilt")``; the outputs equal its
+    outputs (same backend) bit for bit whenever every chunk takes the fallback decision that the
+    unchunked plan takes: always on the CUDA backend (it makes none), and on Triton with
+    ``fallback=False``, with ``importance_clip``, or at ``h >= 64``.
+
+    Parameters
+    ----------
+    q : ``[s_q, h, d_qk]`` bf16 / fp16. kv : ``[s_kv, d_qk]`` (or ``[s_kv, 1, d_qk]``) or the FP8 cache.
+    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``).
+    sm_scale : softmax scale, default ``d_qk ** -0.5``.
+    chunk : queries a chunk; a positive multiple of ``group_size`` (chunks hold whole groups, aligned to
+        query 0, so that chunk plans are slices of the full plan). ``s_q`` need not be a multiple.
+    first_chunk : queries of the first chunk (default ``chunk``). Its plan is the one that cannot be
+        hidden; a smaller first chunk shortens that exposed step.
+    plans : prebuilt chunk plans (``plan_chunks``); then nothing is planned and the chunks run one after
+        another on the current stream. Their ``s_q`` must add up to ``s_q``. For the CUDA backend build
+        them with ``split_private=False`` (as it plans); a split plan runs as ``sparse_prefill`` runs it.
+    group_size, tile, clip_threshold, importance_clip, merge_level, split_private : planner settings,
+        as in ``sparse_prefill`` (``merge_level`` default ``64 // h`` queries; the CUDA backend plans
+        with ``split_private=False`` whatever is given).
+    fallback : Triton: decide per chunk whether QUILT pays off, else run that chunk query-parallel (see
+        the module docstring for where the decision's host sync goes). Both backends: at ``h >= 64``
+        nothing is planned and all queries run query-parallel.
+    d_v, attn_sink ``[h]``, topk_length ``[s_q]``, dv_split, num_warps, num_stages : as in ``sparse_prefill``.
+    plan_stream : CUDA stream for the planner (default: one high-priority stream per device).
+    backend : ``"auto"``, ``"triton"`` or ``"cuda"``, as in ``sparse_prefill`` (``api.choose_backend``).
+
+    Returns
+    -------
+    out ``[s_q, h, d_v]`` (q's dtype), max_logits ``[s_q, h]`` float32, lse ``[s_q, h]`` float32 (base 2).
+    """
+    from .ops import cuda_backend
+    from .ops.sparse_attention import _launch, program_shape, runs_quilt
+
+    require_tensor("q", q)
+    require_ndim("q", q, (3,), "[s_q, h, d_qk]")
+    require_tensor("kv", kv)
+    require_same_device("kv", kv, "q", q)
+    s_q, h, d_qk = q.shape
+    indices = canonical_indices(indices, s_q)
+    require_same_device("indices", indices, "q", q)
+    topk_length = check_topk_length(topk_length, s_q, q.device)
+    attn_sink = check_attn_sink(attn_sink, h, q.device)
+    if not isinstance(d_v, int) or not 0 < d_v <= d_qk:
+        raise ValueError(f"d_v must be an int in [1, d_qk = {d_qk}], got {d_v!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    kv = _check_kernel_inputs(q, kv, d_v)
+    knobs = dv_split != 1 or num_warps is not None or num_stages is not None
+    # prebuilt plans: the first one's tile decides, as sparse_prefill's plan does (all are checked below)
+    first_plan = plans[0] if plans and isinstance(plans[0], Plan) else None
+    cuda = choose_backend(backend, q, kv, d_v, first_plan, tile=tile, triton_knobs=knobs) == "cuda"
+    if not cuda and not _kernels_can_run(q.device):
+        raise ValueError(f"sparse_prefill_pipelined runs Triton kernels: q must be on a CUDA device "
+                         f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
+    if dv_split not in (1, 2) or (dv_split == 2 and (d_v // 2 < 16 or (kv.dtype == torch.uint8 and d_v // 2 % 128))):
+        raise ValueError(f"dv_split must be 1 or 2 (2 needs d_v / 2 >= 16), got {dv_split}")
+    if sm_scale is None:
+        sm_scale = d_qk**-0.5
+    s_kv = kv.shape[0]
+    tuning = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
+
+    if cuda:  # kv and plan settings as sparse_prefill(backend="cuda") makes them
+        kv, pkw = _cuda_setup(q, kv, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
+                              importance_clip=importance_clip, merge_level=merge_level, fallback=fallback)
+        plan_nothing = pkw is None
+    else:
+        pkw = None if plans is not None else _plan_settings(h, group_size, tile, clip_threshold, importance_clip,
+                                                             merge_level, split_private)
+        plan_nothing = fallback and not importance_clip and program_shape(h, group_size)[0] == 1
+    if plans is None:
+        bounds = chunk_bounds(s_q, chunk, group_size, first_chunk)
+    else:
+        bounds, q0 = [], 0
+        for i, p in enumerate(plans):
+            if not isinstance(p, Plan):
+                raise TypeError(f"plans[{i}] must be a quilt_attn.Plan, got {type(p).__name__}")
+            if p.topk != indices.shape[1] or (p.s_kv is not None and p.s_kv != s_kv) or p.device != q.device:
+                raise ValueError(f"plans[{i}] was built for topk={p.topk}, s_kv={p.s_kv} on {p.device}; got "
+                                 f"topk={indices.shape[1]}, s_kv={s_kv} on {q.device}")
+            if p.tile < 16 or not _is_pow2(p.tile):
+                raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {p.tile}")
+            if cuda and p.tile != cuda_backend.TILE:
+                raise ValueError(f"the CUDA backend runs plans with tile = {cuda_backend.TILE}, got plans[{i}].tile "
+                                 f"= {p.tile}")
+            bounds.append((q0, q0 + p.s_q))
+            q0 += p.s_q
+        if q0 != s_q:
+            raise ValueError(f"plans cover {q0} queries but q has s_q = {s_q}")
+
+    out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    if s_q == 0:
+        return out, max_logits, lse
+    if plans is None and plan_nothing:
+        # h >= 64: one query already fills a 64-row tile (sparse_prefill skips planning here too)
+        qpar = dict(indices=indices.contiguous(), topk_length=topk_length, attn_sink=attn_sink)
+        if cuda:
+            cuda_backend.launch(q, kv, sm_scale, out, max_logits, lse, **qpar)
+        else:
+            _launch(q, kv, sm_scale, d_v, out, max_logits, lse, **qpar, **tuning)
+        return out, max_logits, lse
+
+    def plan_chunk(i):
+        """Chunk i's plan, whether it runs QUILT, and its work list built here (not on the attention's stream)."""
+        q0, q1 = bounds[i]
+        if plans is not None:
+            p = plans[i]
+        else:
+            p = make_plan(indices[q0:q1], s_kv=s_kv,
+                          topk_length=None if topk_length is None else topk_length[q0:q1], **pkw)
+        # the CUDA backend runs every plan (as sparse_prefill does); Triton with fallback: one host sync,
+        # on this stream only
+        quilt = cuda or runs_quilt(p, h, fallback)
+        if quilt:
+            p.work_list(program_shape(h, p.group_size)[0])
+        return p, quilt
+
+    def attend(i, p, quilt):
+        q0, q1 = bounds[i]
+        if cuda:
+            _attend_cuda(q[q0:q1], kv, sm_scale, d_v, out[q0:q1], max_logits[q0:q1], lse[q0:q1], plan=p,
+                         attn_sink=attn_sink)
+            return
+        _attend(q[q0:q1], kv, sm_scale, d_v, out[q0:q1], max_logits[q0:q1], lse[q0:q1], plan=p, quilt=quilt,
+                indices=indices[q0:q1], topk_length=None if topk_length is None else topk_length[q0:q1],
+                attn_sink=attn_sink, tuning=tuning)
+
+    if q.device.type != "cuda" or plans is not None:  # nothing to overlap: one chunk after another
+        for i in range(len(bounds)):
+            attend(i, *plan_chunk(i))
+        return out, max_logits, lse
+
+    main = torch.cuda.current_stream(q.device)
+    side = plan_stream if plan_stream is not None else _default_plan_stream(q.device)
+    side.wait_stream(main)  # indices / topk_length may still be being written on the current stream
+
+    def plan_on_side(i):
+        with torch.cuda.stream(side):
+            p, quilt = plan_chunk(i)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        return p, quilt, ready
+
+    nxt = plan_on_side(0)
+    for i in range(len(bounds)):
+        p, quilt, ready = nxt
+        main.wait_event(ready)
+        attend(i, p, quilt)
+        # the plan's tensors were allocated on the side stream: without this the allocator could hand
+        # them to the next chunk's plan as soon as this reference goes, while this attention still reads them
+        for t in _plan_tensors(p):
+            t.record_stream(main)
+        if i + 1 < len(bounds):
+            nxt = plan_on_side(i + 1)  # enqueued behind attention i, so the host blocks (if at all) while it runs
+    main.wait_stream(side)  # work after this call (and the planner's scratch table) stays ordered after planning
+    return out, max_logits, lse
