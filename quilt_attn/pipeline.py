@@ -123,21 +123,13 @@ def _attend(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, quilt, indices,
     The kernel addresses ``out`` by its strides and ``max_logits`` / ``lse`` as contiguous ``[s_q, h]``,
     which row slices of contiguous tensors are.
     """
-    from .ops.sparse_attention import _launch
+    from .ops.sparse_attention import _launch, run_plan_passes
 
     if not quilt:  # fallback: query by query, exactly as sparse_prefill's query-parallel path
         _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices.contiguous(), topk_length=topk_length,
                 attn_sink=attn_sink, **tuning)
-    elif not plan.split_private:
-        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **tuning)
-    else:  # shared tiles into float32 partial state, then the private pass continues it and writes the outputs
-        s, h, _ = q.shape
-        part = (torch.empty(s, h, d_v, dtype=torch.float32, device=q.device),
-                torch.empty(s, h, dtype=torch.float32, device=q.device),
-                torch.empty(s, h, dtype=torch.float32, device=q.device))
-        _launch(q, kv, sm_scale, d_v, *part, plan=plan, partial=True, **tuning)
-        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
-                attn_sink=attn_sink, init=part, **tuning)
+    else:
+        run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **tuning)
 
 
 def _attend_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink):
@@ -146,19 +138,9 @@ def _attend_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink)
     ``q [s, h, 576]``, dense ``kv [s_kv, 576]`` of q's dtype; ``out [s, h, 512]``, ``max_logits, lse [s, h]``
     row slices of the call's outputs (the kernel takes any strides for out's first two dimensions).
     """
-    from .ops.cuda_backend import launch
-    from .ops.sparse_attention import _launch
+    from .ops.cuda_backend import run_plan_passes_cuda
 
-    if not plan.split_private:
-        launch(q, kv, sm_scale, out, max_logits, lse, plan=plan, attn_sink=attn_sink)
-    else:  # a prebuilt plan that split private rows off: shared tiles here, private rows in the Triton pass
-        s, h, _ = q.shape
-        part = (torch.empty(s, h, d_v, dtype=torch.float32, device=q.device),
-                torch.empty(s, h, dtype=torch.float32, device=q.device),
-                torch.empty(s, h, dtype=torch.float32, device=q.device))
-        launch(q, kv, sm_scale, *part, plan=plan, partial=True)
-        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
-                attn_sink=attn_sink, init=part)
+    run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink)
 
 
 def _default_plan_stream(device: torch.device):

@@ -210,22 +210,23 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     A plan that split private rows off runs its shared tiles here (float32 partial state) and the
     private rows in the Triton query pass that continues that state.
     """
-    from .sparse_attention import _launch
+    from .sparse_attention import alloc_outputs
 
-    s_q, h, _ = q.shape
-    out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
-    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    if s_q == 0:
+    out, max_logits, lse = alloc_outputs(q, d_v)
+    if q.shape[0] == 0:
         return out, max_logits, lse
-    if plan is None or not plan.split_private:
-        launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, plan=plan,
-               attn_sink=attn_sink)
-        return out, max_logits, lse
-    part = (torch.empty(s_q, h, d_v, dtype=torch.float32, device=q.device),
-            torch.empty(s_q, h, dtype=torch.float32, device=q.device),
-            torch.empty(s_q, h, dtype=torch.float32, device=q.device))
-    launch(q, kv, sm_scale, *part, plan=plan, partial=True)
-    _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
-            attn_sink=attn_sink, init=part)
+    if plan is None:
+        launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+    else:
+        run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink)
     return out, max_logits, lse
+
+
+def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None):
+    """``sparse_attention.run_plan_passes`` with this kernel running the plan's tiles."""
+    from .sparse_attention import run_plan_passes
+
+    def tile_pass(o, m, l, partial):
+        launch(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, partial=partial)
+
+    run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, tile_pass=tile_pass)

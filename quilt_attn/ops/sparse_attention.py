@@ -299,25 +299,47 @@ def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=N
     row's online-softmax state from the first (kept in float32) and writes the outputs.
     ``_skip_kv`` (private): no kv loads, synthetic tiles (see ``_launch``); outputs meaningless.
     """
-    import torch
-
-    s_q, h, _ = q.shape
-    out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
-    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    if s_q == 0:
+    out, max_logits, lse = alloc_outputs(q, d_v)
+    if q.shape[0] == 0:
         return out, max_logits, lse
     kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages, _skip_kv=_skip_kv)
     if plan is None:
         _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices, topk_length=topk_length,
                 attn_sink=attn_sink, **kw)
-    elif not plan.split_private:
-        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **kw)
     else:
-        part = (torch.empty(s_q, h, d_v, dtype=torch.float32, device=q.device),
-                torch.empty(s_q, h, dtype=torch.float32, device=q.device),
-                torch.empty(s_q, h, dtype=torch.float32, device=q.device))
-        _launch(q, kv, sm_scale, d_v, *part, plan=plan, partial=True, **kw)
-        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
-                attn_sink=attn_sink, init=part, **kw)
+        run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **kw)
     return out, max_logits, lse
+
+
+def alloc_outputs(q, d_v: int, out_dtype=None):
+    """Uninitialized ``out [s_q, h, d_v]`` (q's dtype, or ``out_dtype``), ``max_logits, lse [s_q, h]`` float32."""
+    import torch
+
+    s_q, h, _ = q.shape
+    return (torch.empty(s_q, h, d_v, dtype=out_dtype or q.dtype, device=q.device),
+            torch.empty(s_q, h, dtype=torch.float32, device=q.device),
+            torch.empty(s_q, h, dtype=torch.float32, device=q.device))
+
+
+def run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, tile_pass=None, **kw):
+    """Run ``plan`` into the given outputs (any row slices of the call's outputs).
+
+    One pass over the plan's tiles; or, when the plan split private rows off, the tiles into a
+    float32 partial state and then the query pass over ``plan.priv_idx`` that continues it and writes
+    the outputs. ``tile_pass(out, max_logits, lse, partial)`` runs the tiles (default: this module's
+    kernel; the CUDA backend passes its own); ``kw`` tunes this module's kernel.
+    """
+    import torch
+
+    if tile_pass is None:
+        def tile_pass(o, m, l, partial):
+            _launch(q, kv, sm_scale, d_v, o, m, l, plan=plan, attn_sink=None if partial else attn_sink,
+                    partial=partial, **kw)
+    if not plan.split_private:
+        tile_pass(out, max_logits, lse, False)
+        return
+    part = alloc_outputs(q, d_v, torch.float32)
+    tile_pass(*part, True)
+    _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
+            attn_sink=attn_sink, init=part, **kw)
+
