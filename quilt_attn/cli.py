@@ -441,11 +441,14 @@ def cmd_demo(args, log: Progress) -> int:
     print(f"  tiles of {tile:<9}: quilt {st['tiles']} vs query-parallel {qp_tiles} "
           f"-> {st['tiles'] / max(1, qp_tiles):.3f}x   (tile utilization {st['tile_utilization']:.1%}, "
           f"per level {st['tiles_per_level']})")
-    priv_loads = int(((pl.priv_n + 63) // 64).sum()) * math.ceil(h / ops.program_shape(h, 1)[1])
+    priv_loads = (0 if pl.priv_n is None  # no private split (CUDA backend): those rows are in the tiles
+                  else int(((pl.priv_n + 63) // 64).sum()) * math.ceil(h / ops.program_shape(h, 1)[1]))
     print(f"  kernel tile loads : quilt {quilt_loads} x {tile} rows shared + {priv_loads} x 64 rows private vs "
           f"query-parallel {qp_loads} x 64 rows -> gathered kv rows "
           f"{(quilt_loads * tile + priv_loads * 64) / max(1, qp_loads * 64):.3f}x")
-    pays = ops.runs_quilt(pl, h)
+    # the Triton path decides by its tile-time model; the CUDA kernel runs QUILT wherever a program holds
+    # more than one query (the demo passes the resolved backend, so no automatic switch back to Triton)
+    pays = qp > 1 if backend == "cuda" else ops.runs_quilt(pl, h)
     print(f"  sparse_prefill(method='quilt') at this size runs: "
           f"{'the QUILT kernels' if pays else 'query-parallel (the plan says sharing would not pay off)'}")
     print()
