@@ -183,7 +183,8 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     k = LAST_COMPILED.get("kernel")
     ms = time_ms(fn, warmup=warmup, rep=rep)
     row = {
-        "method": method + ("+iclip" if importance_clip else ""), "backend": backend, "workload": c.workload,
+        "method": method + ("+iclip" if importance_clip else ""), "backend": backend,
+        "backend_requested": requested, "workload": c.workload,
         "kv": c.kv, "h": c.h, "dtype": c.dtype,
         "s_q": c.s_q, "s_kv": c.s_kv, "topk": c.topk, "ms": ms,
         "tflops": useful_flops(c.s_q, c.topk, c.h) / ms / 1e9, "rel_err": chk["rel_err"], "lse_err": chk["lse_err"],

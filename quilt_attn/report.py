@@ -173,6 +173,8 @@ def write_benchmarks_md(results: str, *, target=None, root=None, png=None) -> Pa
         note = "ran query-parallel (fallback)" if cfg.get("fell_back_to_query_parallel") else ""
         if r.get("dropped_pairs"):
             note = f"dropped {r['dropped_pairs']} pairs"
+        if r.get("backend_requested") == "auto":
+            note = (note + "; " if note else "") + f"backend='auto' chose {r.get('backend')}"
         sp = r.get("speedup_vs_query_parallel")
         fm = FLASHMLA_MS.get(r["h"]) if r["workload"] != "random" else None
         vs_qp = f"{sp:.2f}x" if sp and (r["method"], r.get("backend")) != ("query_parallel", "triton") else ""
