@@ -192,8 +192,9 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
     """``"triton"`` or ``"cuda"`` for these (checked) inputs.
 
     ``"cuda"`` raises ``ValueError`` when the CUDA kernel cannot run them (naming why); ``"auto"``
-    takes the CUDA kernel wherever it runs (it measured faster at every head count, BENCHMARKS.md)
-    and otherwise Triton, saying once why when a GPU is present. ``triton_knobs``: Triton tuning
+    takes the CUDA kernel wherever it runs (1.4-1.6x faster than Triton at every head count on the
+    realistic workloads, BENCHMARKS.md; where a plan shares too little, ``_run_cuda`` still hands the
+    call to Triton's query programs) and otherwise Triton, saying once why when a GPU is present. ``triton_knobs``: Triton tuning
     arguments were given (the CUDA kernel has none).
     """
     if backend == "triton":

@@ -787,10 +787,10 @@ def cmd_report(args, log: Progress) -> int:
     if "layer" in parts:
         from .layer import layer_proxy
 
-        log(f"DSA layer proxy: heads {args.layer_heads}, query_parallel vs quilt")
+        log(f"DSA layer proxy: heads {args.layer_heads}, query_parallel vs quilt, {args.layer_indexer} indexer")
         with _Part(log, "layer"):
             rows = layer_proxy(heads=args.layer_heads, workloads=args.layer_workloads, reps=args.layer_reps, log=log,
-                               **({"s_q": QUICK_S_Q} if args.quick else {}))
+                               indexer=args.layer_indexer, **({"s_q": QUICK_S_Q} if args.quick else {}))
         sections["layer"] = rows
         path = out_dir / "layer_proxy.json"
         write_json(path, dict(meta, rows=rows))
@@ -1057,6 +1057,9 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--layer-workloads", type=_choice_list(WORKLOADS), default=["glm53-like", "ds32-like"],
                     metavar="W,W,...", help="preset indices injected (default: glm53-like,ds32-like)")
     lg.add_argument("--layer-reps", type=_pos_int, default=5, metavar="N", help="timed calls, median (default: 5)")
+    lg.add_argument("--layer-indexer", choices=("torch", "triton"), default="torch",
+                    help="lightning-indexer scores: the unfused torch reference or the fused Triton kernel "
+                         "(quilt_attn.ops.indexer) (default: torch)")
     wg = sp.add_argument_group("sweeps (GPU): context, sweep, breakdown; top-k 2048, bf16, do_bench "
                                f"warmup {sweeps.TIMING['warmup']} / rep {sweeps.TIMING['rep']} ms")
     wg.add_argument("--sweeps-workload", choices=WORKLOADS, default="glm53-like", metavar="W",

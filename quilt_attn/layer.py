@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 STAGES = ("q_proj", "kv_proj", "indexer", "attention", "out_proj")
+INDEXERS = ("torch", "triton")  # the lightning indexer's scores: unfused torch reference, or the fused kernel
 
 
 @dataclass(frozen=True)
@@ -187,29 +188,56 @@ class DSALayer(torch.nn.Module):
         kv = x @ self.wkv_a
         return torch.cat([_rms_norm(kv[:, : c.kv_lora_rank]), rope(kv[:, c.kv_lora_rank:], pos, c.rope_theta)], dim=-1)
 
-    def index_scores(self, x, cq, pos, k_idx_all):
-        """Indexer scores of the queries against keys ``0..n-1`` (float32 ``[s, n]``, not masked)."""
+    def index_queries(self, x, cq, pos):
+        """Indexer queries and head weights of the tokens ``x [s, hidden]`` at positions ``pos [s]``.
+
+        Returns ``(q_idx, w)``: ``q_idx [s, index_n_heads, index_head_dim]`` in x's dtype, rope on its
+        first ``qk_rope_dim`` dims; ``w`` float32 ``[s, index_n_heads]``, including ``index_n_heads**-0.5``.
+        """
         c = self.config
         q_idx = (cq @ self.wq_idx).view(x.shape[0], c.index_n_heads, c.index_head_dim)
         r = c.qk_rope_dim
         q_idx = torch.cat([rope(q_idx[..., :r], pos, c.rope_theta), q_idx[..., r:]], dim=-1)
-        wts = (x @ self.w_idx).float() * c.index_n_heads ** -0.5
+        return q_idx, (x @ self.w_idx).float() * c.index_n_heads ** -0.5
+
+    def index_scores(self, x, cq, pos, k_idx_all):
+        """Indexer scores of the queries against keys ``0..n-1`` (float32 ``[s, n]``, not masked), in torch."""
+        c = self.config
+        q_idx, wts = self.index_queries(x, cq, pos)
         s = torch.relu(torch.einsum("shd,nd->shn", q_idx, k_idx_all).float())
         return torch.einsum("shn,sh->sn", s, wts) * c.index_head_dim ** -0.5
 
-    def indexer(self, x, cq, pos, k_idx_all, *, budget: int = 1 << 28) -> torch.Tensor:
-        """Causal Top-K of the indexer: int32 ``[s, topk]``, descending score, -1 past a short causal range."""
+    def indexer(self, x, cq, pos, k_idx_all, *, budget: int = 1 << 28, indexer: str = "torch") -> torch.Tensor:
+        """Causal Top-K of the indexer: int32 ``[s, topk]``, descending score, -1 past a short causal range.
+
+        x, cq, pos : ``[s, hidden]``, ``[s, q_lora_rank]``, ``[s]``: the queries' tokens, q latents, positions.
+        k_idx_all : ``[n, index_head_dim]``, the indexer keys of positions ``0..n-1``.
+        budget : elements of the largest float32 intermediate of one chunk of queries: ``[chunk, heads, n]``
+            per-head scores in torch, ``[chunk, n]`` scores with the fused kernel (so its chunks are
+            ``index_n_heads`` times longer).
+        indexer : "torch" (``index_scores``, then the causal mask) or "triton" (the fused kernel
+            ``quilt_attn.ops.indexer.indexer_scores``, which masks; needs CUDA or ``TRITON_INTERPRET=1``).
+        """
+        if indexer not in INDEXERS:
+            raise ValueError(f"indexer must be one of {INDEXERS}, got {indexer!r}")
         c = self.config
         s, n = x.shape[0], k_idx_all.shape[0]
         topk = c.topk
         out = torch.full((s, topk), -1, dtype=torch.int32, device=x.device)
-        step = max(1, budget // max(1, n * c.index_n_heads))
+        per_query = n * (c.index_n_heads if indexer == "torch" else 1)
+        step = max(1, budget // max(1, per_query))
         keys = torch.arange(n, device=x.device)
         for a in range(0, s, step):
             b = min(s, a + step)
             n_cols = int(pos[b - 1]) + 1
-            sc = self.index_scores(x[a:b], cq[a:b], pos[a:b], k_idx_all[:n_cols])
-            sc.masked_fill_(keys[None, :n_cols] > pos[a:b, None], float("-inf"))
+            if indexer == "torch":
+                sc = self.index_scores(x[a:b], cq[a:b], pos[a:b], k_idx_all[:n_cols])
+                sc.masked_fill_(keys[None, :n_cols] > pos[a:b, None], float("-inf"))
+            else:
+                from .ops.indexer import indexer_scores
+
+                q_idx, wts = self.index_queries(x[a:b], cq[a:b], pos[a:b])
+                sc = indexer_scores(q_idx, k_idx_all[:n_cols], wts, pos[a:b], scale=c.index_head_dim ** -0.5)
             k = min(topk, n_cols)
             top_s, top_i = torch.topk(sc, k, dim=1)
             out[a:b, :k] = torch.where(top_s == float("-inf"), -1, top_i).to(torch.int32)
@@ -219,7 +247,7 @@ class DSALayer(torch.nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, *, attention_method: str = "quilt", indices: torch.Tensor | None = None,
                 prefix_len: int = 0, run_indexer: bool = True, time_stages: bool = False,
-                attention_kwargs: dict | None = None):
+                attention_kwargs: dict | None = None, indexer: str = "torch"):
         """Layer output ``[s_q, hidden]`` and per-stage times.
 
         x : ``[s_q, hidden]``, the new tokens (positions ``prefix_len ..``).
@@ -229,6 +257,7 @@ class DSALayer(torch.nn.Module):
         time_stages : return ``{stage: ms}`` for ``STAGES`` plus "total" (CUDA events on a GPU,
             perf_counter on the CPU); ``{}`` otherwise. "attention" includes QUILT's planning.
         attention_kwargs : passed on to ``sparse_prefill`` (plan, group_size, ...).
+        indexer : how the indexer's scores are computed, "torch" or "triton" (see ``indexer``).
 
         Returns ``(out, timings)``.
         """
@@ -251,7 +280,7 @@ class DSALayer(torch.nn.Module):
         tm.stop()
         tm.start("indexer")
         if indices is None or run_indexer:
-            own = self.indexer(x, cq, pos, k_idx)
+            own = self.indexer(x, cq, pos, k_idx, indexer=indexer)
         tm.stop()
         if indices is None:
             indices = own
@@ -270,15 +299,19 @@ class DSALayer(torch.nn.Module):
 
 def layer_proxy(*, heads=(16, 128), workloads=("glm53-like", "ds32-like"), methods=("query_parallel", "quilt"),
                 s_q: int = 16384, s_kv: int = 65536, config: DSALayerConfig | None = None, device=None,
-                dtype=torch.bfloat16, reps: int = 5, seed: int = 0, log=None) -> list[dict]:
+                dtype=torch.bfloat16, reps: int = 5, seed: int = 0, indexer: str = "torch",
+                log=None) -> list[dict]:
     """Time the layer per (heads, workload, method) with the workload's indices injected.
 
     One warm-up call, then the median over ``reps`` calls of each stage. Rows carry the stage times,
-    ``attention_share`` (attention / total) and, against query-parallel on the same input,
+    ``attention_share`` (attention / total), the ``indexer`` that ran ("torch" or "triton", see
+    ``DSALayer.indexer``) and, against query-parallel on the same input,
     ``layer_speedup_vs_query_parallel``. A proxy: see the module docstring.
     """
     from .workloads import generate
 
+    if indexer not in INDEXERS:
+        raise ValueError(f"indexer must be one of {INDEXERS}, got {indexer!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = config or DSALayerConfig()
     rows = []
@@ -291,13 +324,13 @@ def layer_proxy(*, heads=(16, 128), workloads=("glm53-like", "ds32-like"), metho
             idx = generate(wl, s_q, s_kv, cfg.topk, seed=seed, device=device)
             qp_total = None
             for m in methods:
-                kw = dict(attention_method=m, indices=idx, prefix_len=s_kv - s_q, time_stages=True)
+                kw = dict(attention_method=m, indices=idx, prefix_len=s_kv - s_q, time_stages=True, indexer=indexer)
                 layer(x, **kw)  # warm-up (compilation, prefix cache)
                 runs = [layer(x, **kw)[1] for _ in range(reps)]
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                row = {"heads": h, "workload": wl, "method": m, "s_q": s_q, "s_kv": s_kv, "topk": cfg.topk,
-                       "reps": reps, "stages_ms": med, "attention_share": med["attention"] / med["total"],
-                       "config": asdict(cfg)}
+                row = {"heads": h, "workload": wl, "method": m, "indexer": indexer, "s_q": s_q, "s_kv": s_kv,
+                       "topk": cfg.topk, "reps": reps, "stages_ms": med,
+                       "attention_share": med["attention"] / med["total"], "config": asdict(cfg)}
                 if m == "query_parallel":
                     qp_total = med["total"]
                 elif qp_total:
@@ -305,7 +338,7 @@ def layer_proxy(*, heads=(16, 128), workloads=("glm53-like", "ds32-like"), metho
                 rows.append(row)
                 if log:
                     log(f"layer h={h} {wl} {m}: total {med['total']:.2f} ms, attention {med['attention']:.2f} ms "
-                        f"({row['attention_share']:.0%})")
+                        f"({row['attention_share']:.0%}), indexer ({indexer}) {med['indexer']:.2f} ms")
         del layer, x
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,17 +1,17 @@
 """Fused lightning-indexer scores: one Triton kernel instead of a ``[s, heads, n]`` float32 intermediate.
 
-The DSA indexer scores query ``t`` against key ``s`` as
+The DSA indexer scores query ``t`` against key ``i`` as
 
-    I[t, s] = scale * sum_j w[t, j] * relu(q_idx[t, j, :] . k_idx[s, :])
+    I[t, i] = scale * sum_j w[t, j] * relu(q_idx[t, j, :] . k_idx[i, :])
 
 (``w`` already holds the ``index_n_heads**-0.5`` factor; ``scale = index_head_dim**-0.5``) and masks
-keys past the query's position, ``s > pos[t]``, with ``-inf``. Written with torch ops the per-head
-logits ``[s, heads, n]`` go to memory and back several times (matmul out, float32 copy, relu, weighted
-reduction), which costs ~20x the matrix arithmetic. Here a program holds ``BLOCK_S`` keys and, for
-each of its ``BLOCK_T`` queries in turn, multiplies that query's head matrix ``[heads, d]`` by the key
-block (the heads are the rows of the product, so a 64-head indexer fills a 64-row tile by itself),
-applies relu and the head weights in registers and writes one float32 score per key: only the
-``[s, n]`` scores reach memory.
+the keys past the query's position, ``i > pos[t]``, with ``-inf``. Written with torch ops the per-head
+logits ``[s, heads, n]`` go to memory and back several times (matmul output, float32 copy, relu,
+weighted reduction): on an H200 that took ~20x the matrix arithmetic (benchmarks/NOTES.md, "DSA layer
+proxy"). Here a program holds ``BLOCK_S`` keys and, for each of its ``BLOCK_T`` queries in turn,
+multiplies that query's head matrix ``[heads, d]`` by the key block (the heads are the rows of the
+product, so a 64-head indexer fills a 64-row tile by itself), applies relu and the head weights in
+registers and writes one float32 score per key: only the ``[s, n]`` scores reach memory.
 
 Rope on q's first ``qk_rope_dim`` dims (and on the keys) is applied by the caller, in torch.
 """
@@ -29,8 +29,8 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Launch configuration, not timed yet (written without GPU time). BLOCK_S 128 with 4 warps: one warpgroup
 # computes a query's 64-head x 128-key product (wgmma on sm_90); BLOCK_T 16: each key block loaded serves
-# 16 queries. Compiled for sm_90 at 64 heads x 128 dims: 168 registers, no spills, 66 KB shared memory
-# (the key block and 2 stages of q), so 3 programs fit an SM.
+# 16 queries. Compiled for sm_90 at 64 heads x 128 dims (bf16): 128 registers, no spills, 66 KB shared
+# memory (the key block and 2 stages of q, loaded with cp.async), so 3 programs fit an SM.
 BLOCK_T = 16
 BLOCK_S = 128
 NUM_WARPS = 4
@@ -40,10 +40,10 @@ NUM_STAGES = 2
 @triton.jit
 def _indexer_scores_kernel(
     q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr,
-    s, n, h,
-    stride_qs, stride_qh, stride_ks, stride_ws, stride_os,
+    s, n, stride_os,
     scale,
-    D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Key blocks on the fast grid axis: the programs resident at one time share a block of queries, so
     # its q rows are read from HBM once and then served from L2 (all keys, 16 MB at 64K x 128 bf16, fit too).
@@ -53,10 +53,12 @@ def _indexer_scores_kernel(
     offs_h = tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     key_ok = offs_s < n
-    head_ok = offs_h < h
-    # D is a compile-time constant so that at D == DP this mask is known to be all-true: q's rows then
-    # load in 16-byte vectors, which Triton's pipeliner needs to turn them into cp.async copies
-    # (compiled for sm_90 with a run-time head dim of unknown divisibility, they stayed synchronous)
+    head_ok = offs_h < H
+    # The heads H and the head dim D are compile-time constants (one pair a model) and q, k, w are
+    # contiguous, so at D == DP this mask is known to be all-true and every row start is known to be
+    # aligned: q then loads in 16-byte vectors, which Triton's pipeliner needs to turn the loads into
+    # cp.async copies (compiled for sm_90 with run-time dims or strides whose divisibility the compiler
+    # did not know, they stayed synchronous)
     dim_ok = offs_d < D
     t0 = pid_t * BLOCK_T
     offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -69,16 +71,16 @@ def _indexer_scores_kernel(
                  mask=t_ok[:, None] & key_ok[None, :])
     else:
         # padded heads / dims load as zeros: a zero head row has weight 0, a zero dim adds nothing
-        k = tl.load(k_ptr + offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :],
+        k = tl.load(k_ptr + offs_s.to(tl.int64)[:, None] * D + offs_d[None, :],
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
         k_t = tl.trans(k)  # [DP, BLOCK_S], reused by every query of the program
         for i in range(BLOCK_T):
             t = t0 + i
             ok = t < s
             t64 = t.to(tl.int64)
-            q = tl.load(q_ptr + t64 * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
+            q = tl.load(q_ptr + t64 * (H * D) + offs_h[:, None] * D + offs_d[None, :],
                         mask=ok & head_ok[:, None] & dim_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + t64 * stride_ws + offs_h, mask=ok & head_ok, other=0.0)
+            w = tl.load(w_ptr + t64 * H + offs_h, mask=ok & head_ok, other=0.0)
             logits = tl.dot(q, k_t)  # [HP, BLOCK_S], float32 accumulation
             score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0) * scale
             p = tl.load(pos_ptr + t, mask=ok, other=0)
@@ -97,10 +99,9 @@ def _launch(q_idx, k_idx, w, pos, out, scale, *, block_t, block_s, num_warps, nu
     grid = (triton.cdiv(n, block_s), triton.cdiv(s, block_t))
     _indexer_scores_kernel[grid](
         q_idx, k_idx, w, pos, out,
-        s, n, h,
-        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), w.stride(0), out.stride(0),
+        s, n, out.stride(0),
         float(scale),
-        D=d, HP=max(16, _next_pow2(h)), DP=max(16, _next_pow2(d)), BLOCK_T=block_t, BLOCK_S=block_s,
+        H=h, D=d, HP=max(16, _next_pow2(h)), DP=max(16, _next_pow2(d)), BLOCK_T=block_t, BLOCK_S=block_s,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -119,7 +120,7 @@ def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, po
     w : floating ``[s, heads]``
         Per-head weights, including ``heads**-0.5``; used in float32.
     pos : integer ``[s]``
-        Position of each query; key ``j`` is masked for query ``t`` when ``j > pos[t]``.
+        Position of each query; key ``i`` is masked for query ``t`` when ``i > pos[t]``.
     scale : float
         Factor of the weighted sum (``d**-0.5`` in DeepSeek-V3.2).
     block_t, block_s, num_warps, num_stages : int, optional
@@ -129,8 +130,8 @@ def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, po
     Returns
     -------
     torch.Tensor
-        float32 ``[s, n]``: ``scale * sum_j w[t, j] * relu(q_idx[t, j] . k_idx[k])`` with float32
-        accumulation, and exactly ``-inf`` where ``k > pos[t]``.
+        float32 ``[s, n]``: ``scale * sum_j w[t, j] * relu(q_idx[t, j] . k_idx[i])`` with float32
+        accumulation, and exactly ``-inf`` where ``i > pos[t]``.
 
     Raises
     ------
@@ -161,13 +162,13 @@ def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, po
         raise ValueError(f"q_idx must have heads >= 1 and d >= 1, got shape {tuple(q_idx.shape)}")
     for name, x in (("k_idx", k_idx), ("w", w), ("pos", pos)):
         require_same_device(name, x, "q_idx", q_idx)
-    if q_idx.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"indexer_scores runs a Triton kernel: q_idx must be on a CUDA device (or set "
-                         f"TRITON_INTERPRET=1 to run it on the CPU); got {q_idx.device}")
     block_t = block_t or min(BLOCK_T, _next_pow2(max(1, s)))
     block_s = block_s or BLOCK_S
     if block_t & (block_t - 1) or block_s & (block_s - 1) or block_s < 16:
         raise ValueError(f"block_t and block_s must be powers of two, block_s >= 16; got {block_t}, {block_s}")
+    if q_idx.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"indexer_scores runs a Triton kernel: q_idx must be on a CUDA device (or set "
+                         f"TRITON_INTERPRET=1 to run it on the CPU); got {q_idx.device}")
     n = k_idx.shape[0]
     out = torch.empty(s, n, dtype=torch.float32, device=q_idx.device)
     if s == 0 or n == 0:
