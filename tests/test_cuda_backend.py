@@ -48,6 +48,34 @@ def test_cuda_backend_scope():
     assert "tile = 64" in cuda_backend.unsupported_reason(q, randn(8, 576, seed=1, dtype=BF16), 512, p)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("h,runs_cuda", [(4, False), (64, True)])
+def test_auto_query_parallel_below_64_heads_runs_triton(monkeypatch, h, runs_cuda):
+    """With backend="auto" the CUDA backend hands query-parallel calls below 64 heads to Triton's
+    smaller query programs (a CUDA program computes a whole 64-row tile); "cuda" itself never does."""
+    from quilt_attn import api
+    from quilt_attn.ops.sparse_attention import _launch
+
+    calls = []
+
+    def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
+                 attn_sink=None, partial=False):
+        calls.append(h)
+        _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
+                plan=plan, attn_sink=attn_sink, partial=partial)
+
+    monkeypatch.setattr(cuda_backend, "launch", stand_in)
+    monkeypatch.setattr(api, "choose_backend", lambda backend, *a, **k: "cuda")  # a CPU tensor cannot pass it
+    from conftest import KERNEL_DEVICE, make_inputs
+
+    q, kv, idx = make_inputs(8, h, s_kv=64, topk=16, device=KERNEL_DEVICE)
+    for backend, expect in (("auto", runs_cuda), ("cuda", True)):
+        calls.clear()
+        got = sparse_prefill(q, kv, idx, method="query_parallel", d_v=64, backend=backend)
+        assert bool(calls) == expect, backend
+        assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, d_v=64), torch.float16)
+
+
 @pytest.mark.skipif(cuda_backend.find_nvcc() is None, reason="needs nvcc (a compile-only check)")
 def test_kernel_library_builds_and_matches_the_parameter_block(tmp_path, monkeypatch):
     """nvcc builds the sm_90a library without a GPU; its Params block has the layout Python sends."""
