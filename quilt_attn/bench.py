@@ -146,6 +146,8 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     requested = backend or "auto"
     backend = choose_backend(requested, inputs.sets[0][0], inputs.sets[0][1], D_V, triton_knobs=knobs)
     kw["backend"] = requested
+    if backend == "cuda" and requested == "auto" and method == "query_parallel" and program_shape(c.h, 1)[1] < 64:
+        backend = "triton"  # api._run_cuda hands these to Triton's smaller query programs
     if backend == "cuda":  # as api._cuda_setup: private rows stay in 64-row tiles unless clipped
         kw = dict(backend=requested)
         split_private = importance_clip
