@@ -258,30 +258,30 @@ def _run_cuda(q, kv, indices, sm_scale, d_v, *, method, plan, group_size, tile, 
               merge_level, fallback, attn_sink, topk_length, auto=False):
     """The CUDA backend's dispatch: every tile is a 64-row matrix product, so QUILT never loses to the
     CUDA query-parallel kernel below 64 heads (a query's own tile is as costly as a shared one) and is
-    skipped at 64+. Chosen by ``backend="auto"`` (``auto``), query-parallel below 64 heads and, with
-    ``fallback``, a plan that shares too little run Triton's 16- / 32-row query programs instead
-    (``cuda_backend.cuda_pays_off``)."""
-    from .ops.cuda_backend import cuda_pays_off, launch_sparse_attention_cuda
-    from .ops.sparse_attention import launch_sparse_attention, program_shape
+    skipped at 64+ (``cuda_backend.cuda_runs_quilt``). Chosen by ``backend="auto"`` (``auto``),
+    query-parallel work below 64 heads and, with ``fallback``, a plan that shares too little run
+    Triton's 16- / 32-row query programs instead (``cuda_backend.query_programs_on_triton``,
+    ``cuda_backend.cuda_pays_off``)."""
+    from .ops.cuda_backend import cuda_runs_quilt, launch_sparse_attention_cuda, query_programs_on_triton
+    from .ops.sparse_attention import launch_sparse_attention
 
     kv, plan_kw = _cuda_setup(q, kv, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
                               importance_clip=importance_clip, merge_level=merge_level, fallback=fallback)
     run = dict(attn_sink=attn_sink)
+
+    def query_parallel():
+        launcher = launch_sparse_attention if query_programs_on_triton(q.shape[1], auto) else \
+            launch_sparse_attention_cuda
+        return launcher(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length, **run)
+
     if method == "query_parallel" or (plan is None and plan_kw is None):
-        if auto and program_shape(q.shape[1], 1)[1] < 64:
-            # below 64 heads a CUDA query program computes a whole 64-row tile for its h rows; Triton's
-            # 16 / 32-row programs are faster there (h=16, glm53-like: 8.5 ms against 10.2 in the layer proxy)
-            return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(),
-                                           topk_length=topk_length, **run)
-        return launch_sparse_attention_cuda(q, kv, sm_scale, d_v, indices=indices.contiguous(),
-                                            topk_length=topk_length, **run)
+        return query_parallel()
     if plan is None:
         plan = make_plan(indices, s_kv=kv.shape[0], topk_length=topk_length, **plan_kw)
     else:
         _check_plan(plan, q, indices, kv.shape[0])
-    if auto and fallback and not plan.importance_clip and not cuda_pays_off(plan, q.shape[1]):
-        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
-                                       **run)
+    if not cuda_runs_quilt(plan, q.shape[1], fallback, auto):
+        return query_parallel()
     return launch_sparse_attention_cuda(q, kv, sm_scale, d_v, plan=plan, **run)
 
 

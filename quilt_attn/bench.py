@@ -138,6 +138,7 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     """
     from . import plan as make_plan
     from .api import choose_backend, sparse_prefill
+    from .ops.cuda_backend import cuda_runs_quilt, query_programs_on_triton
     from .ops.sparse_attention import LAST_COMPILED, program_shape, runs_quilt
 
     c = inputs.case
@@ -146,8 +147,9 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     requested = backend or "auto"
     backend = choose_backend(requested, inputs.sets[0][0], inputs.sets[0][1], D_V, triton_knobs=knobs)
     kw["backend"] = requested
-    if backend == "cuda" and requested == "auto" and method == "query_parallel" and program_shape(c.h, 1)[1] < 64:
-        backend = "triton"  # api._run_cuda hands these to Triton's smaller query programs
+    auto = requested == "auto"
+    if backend == "cuda" and method == "query_parallel" and query_programs_on_triton(c.h, auto):
+        backend = "triton"  # what api._run_cuda runs
     if backend == "cuda":  # as api._cuda_setup: private rows stay in 64-row tiles unless clipped
         kw = dict(backend=requested)
         split_private = importance_clip
@@ -166,12 +168,10 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
             kv_tiles += int(((pl.priv_n + 63) // 64).sum()) * math.ceil(c.h / program_shape(c.h, 1)[1])
         kw["plan"] = pl
         kw["fallback"] = fallback
-        if backend == "cuda":
-            from .ops.cuda_backend import cuda_pays_off
-
-            ran_fallback = fallback and not importance_clip and qp == 1
-            if requested == "auto" and fallback and not importance_clip and qp > 1 and not cuda_pays_off(pl, c.h):
-                ran_fallback, backend = True, "triton"  # sparse_prefill runs Triton's query programs here
+        if backend == "cuda":  # what api._run_cuda runs
+            ran_fallback = not cuda_runs_quilt(pl, c.h, fallback, auto)
+            if ran_fallback and query_programs_on_triton(c.h, auto):
+                backend = "triton"
         else:
             ran_fallback = not runs_quilt(pl, c.h, fallback)
     if method != "quilt" or ran_fallback:

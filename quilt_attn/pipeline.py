@@ -182,7 +182,7 @@ def sparse_prefill_pipelined(
 
     Same semantics, arguments and defaults as ``sparse_prefill(method="quilt")``; the outputs equal its
     outputs (same backend) bit for bit whenever every chunk takes the fallback decision that the
-    unchunked plan takes: always on the CUDA backend (it makes none), and on Triton with
+    unchunked plan takes: always on the CUDA backend (its decision depends on h, not on the plan), and on Triton with
     ``fallback=False``, with ``importance_clip``, or at ``h >= 64``.
 
     Parameters
@@ -292,18 +292,23 @@ def sparse_prefill_pipelined(
         else:
             p = make_plan(indices[q0:q1], s_kv=s_kv,
                           topk_length=None if topk_length is None else topk_length[q0:q1], **pkw)
-        # the CUDA backend runs every plan (as sparse_prefill does); Triton with fallback: one host sync,
-        # on this stream only
-        quilt = cuda or runs_quilt(p, h, fallback)
+        # as sparse_prefill(backend=...) decides for a given plan; Triton with fallback: one host sync, on
+        # this stream only (the CUDA rule needs none: no auto switch to Triton here)
+        quilt = cuda_backend.cuda_runs_quilt(p, h, fallback) if cuda else runs_quilt(p, h, fallback)
         if quilt:
             p.work_list(program_shape(h, p.group_size)[0])
         return p, quilt
 
     def attend(i, p, quilt):
         q0, q1 = bounds[i]
-        if cuda:
+        if cuda and quilt:
             _attend_cuda(q[q0:q1], kv, sm_scale, d_v, out[q0:q1], max_logits[q0:q1], lse[q0:q1], plan=p,
                          attn_sink=attn_sink)
+            return
+        if cuda:  # a prebuilt plan at h >= 64: one query fills a program, run the chunk query by query
+            cuda_backend.launch(q[q0:q1], kv, sm_scale, out[q0:q1], max_logits[q0:q1], lse[q0:q1],
+                                indices=indices[q0:q1].contiguous(),
+                                topk_length=None if topk_length is None else topk_length[q0:q1], attn_sink=attn_sink)
             return
         _attend(q[q0:q1], kv, sm_scale, d_v, out[q0:q1], max_logits[q0:q1], lse[q0:q1], plan=p, quilt=quilt,
                 indices=indices[q0:q1], topk_length=None if topk_length is None else topk_length[q0:q1],

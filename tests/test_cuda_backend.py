@@ -76,6 +76,35 @@ def test_auto_query_parallel_below_64_heads_runs_triton(monkeypatch, h, runs_cud
         assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, d_v=64), torch.float16)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("fallback,iclip,runs_plan", [(True, False, False), (False, False, True), (True, True, True)])
+def test_given_plan_at_64_heads_runs_query_programs(monkeypatch, fallback, iclip, runs_plan):
+    """As on Triton: one query fills a 64-row program at h = 64, so a given plan runs query by query
+    unless fallback is off or the plan clips (its dropped pairs must stay dropped)."""
+    from quilt_attn import api
+    from quilt_attn.ops.sparse_attention import _launch
+
+    plans = []
+
+    def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
+                 attn_sink=None, partial=False):
+        plans.append(plan)
+        _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
+                plan=plan, attn_sink=attn_sink, partial=partial)
+
+    monkeypatch.setattr(cuda_backend, "launch", stand_in)
+    monkeypatch.setattr(cuda_backend, "TILE", 16)  # the stand-in runs the small tiles of the CPU tests
+    monkeypatch.setattr(api, "choose_backend", lambda backend, *a, **k: "cuda")  # a CPU tensor cannot pass it
+    from conftest import KERNEL_DEVICE, make_inputs
+
+    q, kv, idx = make_inputs(16, 64, s_kv=128, topk=32, device=KERNEL_DEVICE)
+    p = make_plan(idx, s_kv=128, tile=16, merge_level=1, importance_clip=iclip, split_private=iclip)
+    got = sparse_prefill(q, kv, idx, plan=p, d_v=64, fallback=fallback, backend="cuda")
+    assert (plans[0] is not None) == runs_plan
+    if not iclip:
+        assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, d_v=64), torch.float16)
+
+
 @pytest.mark.skipif(cuda_backend.find_nvcc() is None, reason="needs nvcc (a compile-only check)")
 def test_kernel_library_builds_and_matches_the_parameter_block(tmp_path, monkeypatch):
     """nvcc builds the sm_90a library without a GPU; its Params block has the layout Python sends."""

@@ -157,6 +157,35 @@ def cuda_pays_off(plan, h: int) -> bool:
     return plan._work[key]
 
 
+def cuda_runs_quilt(plan, h: int, fallback: bool = True, auto: bool = False) -> bool:
+    """Whether the CUDA backend runs ``plan``'s tiles (else query programs; the counterpart of
+    ``sparse_attention.runs_quilt``).
+
+    Importance clipping always runs the plan (it drops pairs a query program would keep). With
+    ``fallback`` a program holding one query (h >= 64) gains nothing from a plan; chosen by
+    ``backend="auto"`` (``auto``), a plan that shares too little loses to Triton (``cuda_pays_off``).
+    """
+    from .sparse_attention import program_shape
+
+    if not fallback or plan.importance_clip:
+        return True
+    if program_shape(h, plan.group_size)[0] == 1:
+        return False
+    return not auto or cuda_pays_off(plan, h)
+
+
+def query_programs_on_triton(h: int, auto: bool) -> bool:
+    """Whether query-parallel work of the CUDA backend runs Triton's query programs instead.
+
+    Below 64 heads a CUDA query program computes a whole 64-row tile for its h rows, and Triton's 16- /
+    32-row programs are faster (h=16, glm53-like: 8.5 ms against 10.2 in the layer proxy); only
+    ``backend="auto"`` switches.
+    """
+    from .sparse_attention import program_shape
+
+    return auto and program_shape(h, 1)[1] < 64
+
+
 def _ptr(t) -> int | None:
     return None if t is None else t.data_ptr()
 
