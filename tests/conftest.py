@@ -137,6 +137,34 @@ def nan_poison(monkeypatch):
     return real_empty
 
 
+# ----------------------------------------------------------------------------- CUDA backend on the CPU
+@pytest.fixture
+def cuda_stand_in(monkeypatch):
+    """Run the CUDA backend's dispatch on the CPU: its kernel is replaced by the Triton pass it mirrors
+    (same arguments, outputs written in place) and ``choose_backend`` resolves to ``"cuda"`` (a CPU tensor
+    cannot pass its device check). Returns the list of the plans the stand-in ran (None: query programs).
+    ``cuda_backend.TILE`` becomes 16, the tile of the CPU tests."""
+    from quilt_attn import api, pipeline
+    from quilt_attn.ops import cuda_backend
+    from quilt_attn.ops.sparse_attention import _launch
+
+    seen = []
+
+    def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
+                 attn_sink=None, partial=False):
+        assert kv.dtype == q.dtype and kv.dim() == 2, "the CUDA kernel reads dense kv of q's dtype"
+        seen.append(plan)
+        _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
+                plan=plan, attn_sink=None if partial else attn_sink, partial=partial)
+
+    monkeypatch.setattr(cuda_backend, "launch", stand_in)
+    monkeypatch.setattr(cuda_backend, "TILE", 16)
+    for module in (api, pipeline):
+        monkeypatch.setattr(module, "choose_backend",
+                            lambda backend, *a, **k: "triton" if backend == "triton" else "cuda")
+    return seen
+
+
 # ----------------------------------------------------------------------------- comparisons
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()

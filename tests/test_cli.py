@@ -148,25 +148,11 @@ def test_demo_tiny_passes(capsys):
         assert "Triton interpreter" in out and "mean NOTHING" in out
 
 
-def test_demo_cuda_backend_path_with_a_stand_in_kernel(monkeypatch, capsys):
+def test_demo_cuda_backend_path_with_a_stand_in_kernel(cuda_stand_in, capsys):
     """The demo's CUDA-backend path on the CPU: the sm_90a kernel replaced by the Triton pass it mirrors.
     Its plan keeps private rows in the tiles (no private pass to count) and every result is checked."""
     _skip_unless_kernels_can_interpret()
-    from quilt_attn import api
-    from quilt_attn.ops import cuda_backend
-    from quilt_attn.ops.sparse_attention import _launch
-
-    plans = []
-
-    def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-                 partial=False):
-        plans.append(plan)
-        _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
-                plan=plan, attn_sink=None if partial else attn_sink, partial=partial)
-
-    monkeypatch.setattr(cuda_backend, "launch", stand_in)
-    monkeypatch.setattr(cuda_backend, "TILE", 16)  # the stand-in runs the demo's small CPU tiles
-    monkeypatch.setattr(api, "choose_backend", lambda backend, *a, **k: "cuda")
+    plans = cuda_stand_in
     assert main([*TINY_DEMO, "--backend", "cuda", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "backend cuda" in out and "demo: PASS" in out and "+ 0 x 64 rows private" in out

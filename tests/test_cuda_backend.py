@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import HAS_CUDA, TOLERANCES, assert_matches_reference, randn
+from conftest import HAS_CUDA, KERNEL_DEVICE, TOLERANCES, assert_matches_reference, make_inputs, randn
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill, sparse_prefill_reference
 from quilt_attn.api import choose_backend
@@ -50,24 +50,10 @@ def test_cuda_backend_scope():
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("h,runs_cuda", [(4, False), (64, True)])
-def test_auto_query_parallel_below_64_heads_runs_triton(monkeypatch, h, runs_cuda):
+def test_auto_query_parallel_below_64_heads_runs_triton(cuda_stand_in, h, runs_cuda):
     """With backend="auto" the CUDA backend hands query-parallel calls below 64 heads to Triton's
     smaller query programs (a CUDA program computes a whole 64-row tile); "cuda" itself never does."""
-    from quilt_attn import api
-    from quilt_attn.ops.sparse_attention import _launch
-
-    calls = []
-
-    def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-                 attn_sink=None, partial=False):
-        calls.append(h)
-        _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
-                plan=plan, attn_sink=attn_sink, partial=partial)
-
-    monkeypatch.setattr(cuda_backend, "launch", stand_in)
-    monkeypatch.setattr(api, "choose_backend", lambda backend, *a, **k: "cuda")  # a CPU tensor cannot pass it
-    from conftest import KERNEL_DEVICE, make_inputs
-
+    calls = cuda_stand_in
     q, kv, idx = make_inputs(8, h, s_kv=64, topk=16, device=KERNEL_DEVICE)
     for backend, expect in (("auto", runs_cuda), ("cuda", True)):
         calls.clear()
@@ -78,25 +64,10 @@ def test_auto_query_parallel_below_64_heads_runs_triton(monkeypatch, h, runs_cud
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("fallback,iclip,runs_plan", [(True, False, False), (False, False, True), (True, True, True)])
-def test_given_plan_at_64_heads_runs_query_programs(monkeypatch, fallback, iclip, runs_plan):
+def test_given_plan_at_64_heads_runs_query_programs(cuda_stand_in, fallback, iclip, runs_plan):
     """As on Triton: one query fills a 64-row program at h = 64, so a given plan runs query by query
     unless fallback is off or the plan clips (its dropped pairs must stay dropped)."""
-    from quilt_attn import api
-    from quilt_attn.ops.sparse_attention import _launch
-
-    plans = []
-
-    def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-                 attn_sink=None, partial=False):
-        plans.append(plan)
-        _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
-                plan=plan, attn_sink=attn_sink, partial=partial)
-
-    monkeypatch.setattr(cuda_backend, "launch", stand_in)
-    monkeypatch.setattr(cuda_backend, "TILE", 16)  # the stand-in runs the small tiles of the CPU tests
-    monkeypatch.setattr(api, "choose_backend", lambda backend, *a, **k: "cuda")  # a CPU tensor cannot pass it
-    from conftest import KERNEL_DEVICE, make_inputs
-
+    plans = cuda_stand_in
     q, kv, idx = make_inputs(16, 64, s_kv=128, topk=32, device=KERNEL_DEVICE)
     p = make_plan(idx, s_kv=128, tile=16, merge_level=1, importance_clip=iclip, split_private=iclip)
     got = sparse_prefill(q, kv, idx, plan=p, d_v=64, fallback=fallback, backend="cuda")

@@ -190,29 +190,13 @@ def test_pipelined_importance_clip():
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("h,fp8", [(4, False), (2, True), (64, False)])
-def test_cuda_path_with_a_stand_in_kernel(monkeypatch, h, fp8):
+def test_cuda_path_with_a_stand_in_kernel(cuda_stand_in, h, fp8):
     """The CUDA path's dispatch, on the CPU: with the CUDA kernel replaced by the Triton pass it mirrors (same
     arguments, outputs written in place), the pipeline runs what ``sparse_prefill(backend="cuda")`` runs, bit
     for bit: dense kv (an FP8 cache expanded), plans without a private split at merge level 64 // h, QUILT on
     every chunk even where the Triton rule would fall back (random lists), no plan at h >= 64; prebuilt
     split plans run their private rows in the Triton pass after the CUDA tiles."""
-    from quilt_attn import api, pipeline
-    from quilt_attn.ops import cuda_backend
-    from quilt_attn.ops.sparse_attention import _launch
-
-    seen = []
-
-    def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-                 partial=False):
-        assert kv.dtype == q.dtype and kv.dim() == 2, "the CUDA kernel reads dense kv of q's dtype"
-        seen.append(plan)
-        _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
-                plan=plan, attn_sink=None if partial else attn_sink, partial=partial)
-
-    monkeypatch.setattr(cuda_backend, "launch", stand_in)
-    monkeypatch.setattr(cuda_backend, "TILE", 16)  # the stand-in runs the small tiles of the CPU tests
-    for module in (api, pipeline):  # a CPU tensor cannot pass choose_backend's device check
-        monkeypatch.setattr(module, "choose_backend", lambda backend, *a, **k: backend)
+    seen = cuda_stand_in
     d_qk, d_v = (576, 512) if fp8 else (80, DV)
     s_q, s_kv, topk = 36, 384, 48
     q, kv, idx = make_inputs(s_q, h, s_kv=s_kv, topk=topk, d_qk=d_qk, d_v=d_v, seed=21)
