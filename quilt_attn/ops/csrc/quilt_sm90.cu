@@ -140,27 +140,6 @@ struct Program {
   int pid, q0, sub, n_tiles, n_valid;
 };
 
-// kv row and member bits of slot `slot` of tile `it` (-1 / 0 when the slot holds no valid row,
-// including the padding tile that completes an odd count)
-__device__ __forceinline__ void tile_slot(const Params& p, const Program& pr, int it, int slot, int& row,
-                                          uint32_t& bits) {
-  if (it >= pr.n_tiles) {
-    row = -1;
-  } else if (p.from_plan) {
-    const long long t = p.prog_tiles[static_cast<long long>(pr.pid) * p.prog_cap + it];
-    row = p.tile_kv[t * kTile + slot];
-    bits = static_cast<uint32_t>(p.tile_mask[t * kTile + slot]);
-  } else {
-    const int pos = it * kTile + slot;
-    row = pos < pr.n_valid ? p.indices[static_cast<long long>(pr.q0) * p.stride_idx + pos] : -1;
-    bits = 1u;
-  }
-  if (row < 0 || row >= p.s_kv) {
-    row = -1;
-    bits = 0u;
-  }
-}
-
 // ------------------------------------------------------------------------------ barriers
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -181,9 +160,15 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       : "memory");
 }
 // waits on a kv half the producer filled; its cp.async writes then feed wgmma (async proxy)
+#ifndef QUILT_P1_EARLY
+#define QUILT_P1_EARLY 0
+#endif
+#ifndef QUILT_READY_FENCE
+#define QUILT_READY_FENCE 1
+#endif
 __device__ __forceinline__ void wait_ready(uint32_t bar, int parity) {
   mbar_wait(bar, parity);
-  fence_async_smem();
+  if (QUILT_READY_FENCE) fence_async_smem();
 }
 // named barriers over the 256 consumer threads (the producer warpgroup never joins)
 template <int kId>
@@ -203,32 +188,60 @@ struct Bars {
 // the order the consumers need them: buffer 0 half 0, buffer 1 half 1, buffer 0 half 1, buffer 1
 // half 0 (warpgroup 0 starts QK on chunks 0-3, warpgroup 1 on chunks 4-8). A ready barrier counts
 // 128 plain arrivals (after the member bits are stored) and 128 copy-completion arrivals.
+//
+// The slot loads run ahead so that their latency stays off the producer's path (profiled: with
+// each block's rows loaded and checked just before its copies, both consumer warpgroups spent most
+// of their time waiting for the producer): a block's kv rows and member bits are loaded while the
+// block before it is copied, a plan's tile ids two blocks ahead, and rows are checked at use.
+struct Slots {
+  int row[2][4];       // raw kv row of slot g + 16 j of tile 2b + buf (-1: none)
+  uint32_t bits[2][4];  // member bits (plan) or 1 (query-parallel)
+};
+
+__device__ __forceinline__ void load_tile_ids(const Params& p, const Program& pr, int b, int (&tile)[2]) {
+#pragma unroll
+  for (int buf = 0; buf < 2; ++buf) {
+    const int it = 2 * b + buf;
+    tile[buf] = p.from_plan && it < pr.n_tiles ? p.prog_tiles[static_cast<long long>(pr.pid) * p.prog_cap + it] : -1;
+  }
+}
+
+__device__ __forceinline__ void load_slots(const Params& p, const Program& pr, int b, int g, const int (&tile)[2],
+                                           Slots& sl) {
+#pragma unroll
+  for (int buf = 0; buf < 2; ++buf) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int slot = g + 16 * j;
+      if (p.from_plan) {
+        const long long at = static_cast<long long>(tile[buf]) * kTile + slot;
+        sl.row[buf][j] = tile[buf] >= 0 ? p.tile_kv[at] : -1;
+        sl.bits[buf][j] = tile[buf] >= 0 ? static_cast<uint32_t>(p.tile_mask[at]) : 0u;
+      } else {
+        const int pos = (2 * b + buf) * kTile + slot;
+        sl.row[buf][j] = pos < pr.n_valid ? p.indices[static_cast<long long>(pr.q0) * p.stride_idx + pos] : -1;
+        sl.bits[buf][j] = 1u;
+      }
+    }
+  }
+}
+
 template <typename T>
 __device__ void produce(const Params& p, const Program& pr, uint8_t* smem, const Bars& bars) {
   const int t = threadIdx.x - 256, unit = t % 8, g = t / 8;
   const T* kv = static_cast<const T*>(p.kv);
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + kSmemMask);
   const int n_blocks = (pr.n_tiles + 1) / 2;
-  long long off[2][4];
-  bool ok[2][4];
-  uint32_t bits[2][4];
-  auto fetch = [&](int b) {
-#pragma unroll
-    for (int buf = 0; buf < 2; ++buf) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        int row;
-        tile_slot(p, pr, 2 * b + buf, g + 16 * j, row, bits[buf][j]);
-        ok[buf][j] = row >= 0;
-        off[buf][j] = row >= 0 ? static_cast<long long>(row) * p.stride_kv : 0;
-      }
-    }
-  };
+  Slots cur, nxt;
+  int tile_n[2], tile_nn[2];  // plan tile ids of blocks b + 1, b + 2
   auto fill = [&](int buf, int half, int phase) {
     mbar_wait(bars.free(buf, half), phase ^ 1);
+    bool ok[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ok[j] = cur.row[buf][j] >= 0 && cur.row[buf][j] < p.s_kv;
     if (half == buf && unit == 0) {  // the half each buffer's consumer waits for first carries the bits
 #pragma unroll
-      for (int j = 0; j < 4; ++j) masks[buf * kTile + g + 16 * j] = bits[buf][j];
+      for (int j = 0; j < 4; ++j) masks[buf * kTile + g + 16 * j] = ok[j] ? cur.bits[buf][j] : 0u;
     }
     const int c0 = half ? 4 : 0, c1 = half ? kChunks : 4;
     if (!(p.skip & 1)) {
@@ -236,22 +249,29 @@ __device__ void produce(const Params& p, const Program& pr, uint8_t* smem, const
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = g + 16 * j;
+        const T* src = kv + (ok[j] ? static_cast<long long>(cur.row[buf][j]) * p.stride_kv : 0) + unit * 8;
 #pragma unroll
-        for (int c = c0; c < c1; ++c) {
-          cp_async16(dst + c * kChunkBytes + swz(r, unit), kv + off[buf][j] + c * 64 + unit * 8, ok[buf][j]);
-        }
+        for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
       }
     }
     mbar_arrive(bars.ready(buf, half));
     mbar_arrive_copies(bars.ready(buf, half));
   };
-  if (n_blocks > 0) fetch(0);
+  if (n_blocks == 0) return;
+  int tile0[2];
+  load_tile_ids(p, pr, 0, tile0);
+  load_tile_ids(p, pr, 1, tile_n);
+  load_slots(p, pr, 0, g, tile0, cur);
   for (int b = 0, phase = 0; b < n_blocks; ++b, phase ^= 1) {
+    load_slots(p, pr, b + 1, g, tile_n, nxt);  // (past the end: no loads, all slots -1)
+    load_tile_ids(p, pr, b + 2, tile_nn);
     fill(0, 0, phase);
     fill(1, 1, phase);
     fill(0, 1, phase);
     fill(1, 0, phase);
-    if (b + 1 < n_blocks) fetch(b + 1);
+    cur = nxt;
+    tile_n[0] = tile_nn[0];
+    tile_n[1] = tile_nn[1];
   }
   cp_async_wait<0>();
 }
@@ -562,15 +582,23 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       bar_arrive<kBarMax1>();
       const float one[2] = {1.f, 1.f};
       pack_p<T>(pk, s, one);
+#if QUILT_P1_EARLY
+      if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);
+      fence_async_smem();
+#endif
       wgmma_fence();
       if (kMma && has1) pv_regs<T>(o, pk, skv1, 1);
       wgmma_commit();
+#if !QUILT_P1_EARLY
       if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);
+#endif
       bar_sync<kBarP0>();
       wgmma_fence();
       if constexpr (kMma) pv_smem<T>(o, smem_u32(smem + kSmemP0), skv0, 1);
       wgmma_commit();
+#if !QUILT_P1_EARLY
       fence_async_smem();
+#endif
       bar_arrive<kBarP1>();
       wgmma_wait<1>();
       mbar_arrive(bars.free(1, 1));
