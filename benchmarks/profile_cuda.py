@@ -30,11 +30,12 @@ if a.summarize:
     key = next(k for k in cols if k.startswith("Warp Stall Sampling (All"))
     reasons = [k for k in cols if k.startswith("stall_")] or [k for k in cols if "stall" in k.lower() and k != key]
     total = sum(float(r[key] or 0) for r in rows)
+    base = int(rows[0]["Address"], 16)  # offsets match cuobjdump -sass of the same build
     print(f"{len(rows)} SASS lines, {total:.0f} stall samples")
     for r in sorted(rows, key=lambda r: -float(r[key] or 0))[:a.top]:
         top = sorted(((float(r[k] or 0), k) for k in reasons), reverse=True)[:2]
         why = " ".join(f"{k.replace('stall_', '')}={v / max(float(r[key] or 1), 1):.0%}" for v, k in top if v)
-        print(f"{float(r[key] or 0) / total:6.1%}  {r.get('Address', r.get('#', ''))}  {r.get('Source', '')[:70]:<70} {why}")
+        print(f"{float(r[key] or 0) / total:6.1%}  {int(r['Address'], 16) - base:#07x}  {r.get('Source', '')[:70]:<70} {why}")
     sys.exit()
 
 import torch

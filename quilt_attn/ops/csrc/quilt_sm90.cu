@@ -160,15 +160,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       : "memory");
 }
 // waits on a kv half the producer filled; its cp.async writes then feed wgmma (async proxy)
-#ifndef QUILT_P1_EARLY
-#define QUILT_P1_EARLY 0
-#endif
-#ifndef QUILT_READY_FENCE
-#define QUILT_READY_FENCE 1
-#endif
 __device__ __forceinline__ void wait_ready(uint32_t bar, int parity) {
   mbar_wait(bar, parity);
-  if (QUILT_READY_FENCE) fence_async_smem();
+  fence_async_smem();
 }
 // named barriers over the 256 consumer threads (the producer warpgroup never joins)
 template <int kId>
@@ -582,23 +576,15 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       bar_arrive<kBarMax1>();
       const float one[2] = {1.f, 1.f};
       pack_p<T>(pk, s, one);
-#if QUILT_P1_EARLY
-      if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);
-      fence_async_smem();
-#endif
       wgmma_fence();
       if (kMma && has1) pv_regs<T>(o, pk, skv1, 1);
       wgmma_commit();
-#if !QUILT_P1_EARLY
-      if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);
-#endif
+      if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);  // (P1 V1 runs meanwhile)
       bar_sync<kBarP0>();
       wgmma_fence();
       if constexpr (kMma) pv_smem<T>(o, smem_u32(smem + kSmemP0), skv0, 1);
       wgmma_commit();
-#if !QUILT_P1_EARLY
       fence_async_smem();
-#endif
       bar_arrive<kBarP1>();
       wgmma_wait<1>();
       mbar_arrive(bars.free(1, 1));
