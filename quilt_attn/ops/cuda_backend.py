@@ -57,16 +57,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUILT_CUDA_CACHE") or Path.home() / ".cache" / "quilt_attn")
 
 
-def library_path() -> Path:
-    h = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
+def library_path(defines: tuple[str, ...] = ()) -> Path:
+    h = hashlib.sha256(" ".join(NVCC_FLAGS + defines).encode())
     for name in SOURCES:
         h.update((CSRC / name).read_bytes())
     return cache_dir() / f"quilt_sm90_{h.hexdigest()[:16]}.so"
 
 
-def build(nvcc: str | None = None, *, verbose: bool = False) -> Path:
-    """Compile the kernel library unless the cache has it; returns its path."""
-    path = library_path()
+def build(nvcc: str | None = None, *, verbose: bool = False, defines: tuple[str, ...] = ()) -> Path:
+    """Compile the kernel library unless the cache has it; returns its path.
+
+    ``defines`` (``-DNAME`` flags) build a variant for tools, e.g. the compute-sanitizer build."""
+    path = library_path(defines)
     if path.exists():
         return path
     nvcc = nvcc or find_nvcc()
@@ -76,7 +78,7 @@ def build(nvcc: str | None = None, *, verbose: bool = False) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_lib = Path(tmp) / path.name
-        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp_lib), str(CSRC / "quilt_sm90.cu")]
+        cmd = [nvcc, *NVCC_FLAGS, *defines, "-o", str(tmp_lib), str(CSRC / "quilt_sm90.cu")]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if verbose or res.returncode != 0:
             print(res.stdout + res.stderr)
