@@ -28,7 +28,7 @@ def use_library(path):
     """Point the CUDA backend at a prebuilt library (None: the package's own build)."""
     cuda_backend._LIB = None
     if path is not None:
-        cuda_backend.library_path = lambda: Path(path)
+        cuda_backend.library_path = lambda defines=(): Path(path)
 
 
 rows = []

@@ -24,7 +24,7 @@ from quilt_attn.workloads import generate
 
 if "--strict-sync" in sys.argv:
     lib = cuda_backend.build(defines=("-DQUILT_SANITIZER_SYNC",))
-    cuda_backend.library_path = lambda: Path(lib)
+    cuda_backend.library_path = lambda defines=(): Path(lib)
     print("kernel built with QUILT_SANITIZER_SYNC")
 
 torch.manual_seed(0)

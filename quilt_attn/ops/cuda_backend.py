@@ -35,7 +35,8 @@ class CudaBackendError(RuntimeError):
 class _Params(ctypes.Structure):
     # mirrors quilt_sm90::Params field by field (checked against the library's sizeof at load)
     _fields_ = [(n, ctypes.c_void_p) for n in ("q", "kv", "out", "max_logits", "lse", "sink", "tile_kv",
-                                                "tile_mask", "prog_tiles", "prog_ntiles", "indices", "topk_length")]
+                                                "tile_mask", "prog_tiles", "prog_ntiles", "prog_order", "indices",
+                                                "topk_length")]
     _fields_ += [(n, ctypes.c_longlong) for n in ("stride_qs", "stride_qh", "stride_kv", "stride_idx",
                                                   "stride_os", "stride_oh")]
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "h", "topk", "prog_cap", "group_size", "qp", "hb",
@@ -203,6 +204,9 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     from ..reference import LOG2E
     from .sparse_attention import program_shape
 
+    if not partial and (out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8 or out.stride(1) % 8):
+        raise ValueError("out must have a unit last stride, 16-byte alignment and row strides that are multiples of 8 "
+                         f"(the kernel writes 16-byte pieces); got strides {tuple(out.stride())}")
     s_q, h, _ = q.shape
     G = plan.group_size if plan is not None else 1
     qp, hb = program_shape(h, G)
@@ -220,6 +224,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         prog_tiles, prog_ntiles = plan.work_list(qp)
         prm.tile_kv, prm.tile_mask = plan.tile_kv.data_ptr(), plan.tile_mask.data_ptr()
         prm.prog_tiles, prm.prog_ntiles = prog_tiles.data_ptr(), prog_ntiles.data_ptr()
+        prm.prog_order = plan.program_order(qp).data_ptr()  # longest programs first
         prm.prog_cap, prm.topk, prm.from_plan = prog_tiles.shape[1], plan.topk, 1
         grid_x = prog_tiles.shape[0]
     else:

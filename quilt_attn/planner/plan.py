@@ -161,6 +161,18 @@ class Plan:
                 self._work[qp] = (out[:, :cap].contiguous(), inc.sum(1, dtype=torch.int32))
         return self._work[qp]
 
+    def program_order(self, queries_per_program: int) -> torch.Tensor:
+        """Program ids of ``work_list(queries_per_program)`` by descending tile count (int32 [n_progs]).
+
+        Launched in this order, the long programs start first and the last wave holds short ones, so
+        less of the GPU idles at the end. Cached per width; no host sync.
+        """
+        key = ("order", min(queries_per_program, self.group_size))
+        if key not in self._work:
+            _, ntiles = self.work_list(queries_per_program)
+            self._work[key] = torch.argsort(ntiles, descending=True, stable=True).to(torch.int32)
+        return self._work[key]
+
 
 def levels_desc(G: int, lowest: int) -> list[int]:
     """``[G, G/2, ..., lowest]``."""

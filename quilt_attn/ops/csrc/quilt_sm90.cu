@@ -57,6 +57,8 @@ static_assert(kSmemBytes <= 232448, "shared memory budget of an H100/H200 CTA");
 
 // named barriers between the two consumer warpgroups (0 is __syncthreads)
 enum : int { kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5, kBarQ = 6 };
+constexpr int kStageStride = 512 * 2 + 16;  // bytes a staged output row (padded: conflict-free stores)
+static_assert(kRows * kStageStride <= kTileBytes, "the output stage reuses q's shared memory");
 
 struct Params {
   const void* q;            // [s_q, h, 576] (strides stride_qs, stride_qh; unit stride last)
@@ -69,6 +71,7 @@ struct Params {
   const int* tile_mask;     // plan: [n_tiles_total, 64]
   const int* prog_tiles;    // plan: [n_progs, prog_cap] tile ids
   const int* prog_ntiles;   // plan: [n_progs]
+  const int* prog_order;    // plan: [n_progs] launch order (CTA x runs program prog_order[x]), or null
   const int* indices;       // query-parallel: [s_q, topk] (stride stride_idx)
   const int* topk_length;   // query-parallel: [s_q] or null
   long long stride_qs, stride_qh, stride_kv, stride_idx, stride_os, stride_oh;
@@ -411,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
   const Bars bars{smem_u32(smem + kSmemBar)};
 
   Program pr;
-  pr.pid = blockIdx.x;
+  pr.pid = p.from_plan && p.prog_order != nullptr ? p.prog_order[blockIdx.x] : blockIdx.x;
   if (p.from_plan) {
     const int nsub = p.group_size / p.qp;
     pr.sub = pr.pid % nsub;
@@ -620,6 +623,8 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     if (lane % 4 == 0) red_sum[wg * kRows + r0 + 8 * i] = l[i];
   }
   bar_sync<kBarSum>();
+  constexpr bool kPartial = sizeof(OutT) == 4;
+  uint8_t* stage = smem + kSmemQ;  // q is no longer read: every QK has completed
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = r0 + 8 * i;
@@ -629,23 +634,43 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     const bool empty = lt == 0.f;
     const float lse = empty ? INFINITY : m[i] + log2f(lt);
     float fac = empty ? 0.f : 1.f / lt;
-    constexpr bool kPartial = sizeof(OutT) == 4;
     if (!kPartial && p.sink != nullptr && !empty) {
       fac *= 1.f / (1.f + expf(p.sink[head] - lse * 0.6931471805599453f));
     }
-    OutT* out = static_cast<OutT*>(p.out) + qq * p.stride_os + head * p.stride_oh + wg * 256 + (lane % 4) * 2;
+    if constexpr (kPartial) {
+      float* out = static_cast<float*>(p.out) + qq * p.stride_os + head * p.stride_oh + wg * 256 + (lane % 4) * 2;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const float x = o[j * 4 + i * 2] * fac, y = o[j * 4 + i * 2 + 1] * fac;
-      if constexpr (kPartial) {
-        *reinterpret_cast<float2*>(out + j * 8) = make_float2(x, y);
-      } else {
-        *reinterpret_cast<uint32_t*>(out + j * 8) = Mma<T>::pack(x, y);
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[j * 4 + i * 2] * fac, o[j * 4 + i * 2 + 1] * fac);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = wg * 256 + j * 8 + (lane % 4) * 2;
+        *reinterpret_cast<uint32_t*>(stage + r * kStageStride + col * 2) =
+            Mma<T>::pack(o[j * 4 + i * 2] * fac, o[j * 4 + i * 2 + 1] * fac);
       }
     }
     if (wg == 0 && lane % 4 == 0) {
       p.max_logits[static_cast<long long>(qq) * p.h + head] = empty ? -INFINITY : m[i];
       p.lse[static_cast<long long>(qq) * p.h + head] = lse;
+    }
+  }
+  if constexpr (!kPartial) {
+    // this warpgroup's 256 value columns, 16 bytes a thread, a warp per 512-byte row half
+    if (wg == 0) {
+      asm volatile("bar.sync 7, 128;\n" ::: "memory");
+    } else {
+      asm volatile("bar.sync 8, 128;\n" ::: "memory");
+    }
+    const int t = tid % 128;
+#pragma unroll 4
+    for (int k = 0; k < kRows * 32 / 128; ++k) {
+      const int c = k * 128 + t, r = c / 32, u = c % 32;
+      const int mem = r / p.hb, head = hblock * p.hb + r % p.hb, qq = pr.q0 + mem;
+      if (!(r < p.qp * p.hb && qq < p.s_q && head < p.h)) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kStageStride + wg * 512 + u * 16);
+      *reinterpret_cast<uint4*>(static_cast<OutT*>(p.out) + qq * p.stride_os + head * p.stride_oh + wg * 256 + u * 8) = v;
     }
   }
 }
