@@ -434,7 +434,8 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
   if (tid == 0) {
     for (int i = 0; i < 4; ++i) {
       mbar_init(bars.ready(i / 2, i % 2), 256);
-      mbar_init(bars.free(i / 2, i % 2), 128);
+      // buffer 0's half 1 also holds P0: warpgroup 0 (P0 written) and 1 (P0 V0 done) both release it
+      mbar_init(bars.free(i / 2, i % 2), i == 1 ? 256 : 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -535,6 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       store_p<T>(smem, kSmemP0, pk, r0, lane);
       fence_async_smem();
       bar_arrive<kBarP0>();
+      mbar_arrive(bars.free(0, 1));
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         o[j * 4 + 0] *= f[0];
