@@ -39,7 +39,7 @@ def environment() -> dict:
                 commit += "+dirty"
         except OSError:
             commit = ""
-    if not commit or len(commit.split("+")[0]) != 40:
+    if not commit or not 7 <= len(commit.split("+")[0]) <= 40:  # a full or abbreviated hash
         commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"gpu": gpu, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

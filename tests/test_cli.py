@@ -377,3 +377,12 @@ def test_report_gpu_path_wiring(tmp_path, monkeypatch, capsys):
     assert doc["gpu"] == "NVIDIA H200" and doc["rows"][0]["heads"] == 16
     assert json.loads((out / "report.json").read_text())["skipped_need_gpu"] == []
     assert "| 16 | glm53-like | quilt | 2.00 | 1.00 | 50% | 1.10x |" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("given,recorded", [("5e170cd", "5e170cd"), ("5e170cd+dirty", "5e170cd+dirty"),
+                                            ("abc", "unknown"), ("not a hash at all, far too long" * 2, "unknown")])
+def test_result_files_record_a_given_commit(monkeypatch, given, recorded):
+    from quilt_attn.bench import environment
+
+    monkeypatch.setenv("QUILT_COMMIT", given)
+    assert environment()["commit"] == recorded

@@ -28,6 +28,15 @@ def test_backend_argument_is_checked():
         sparse_prefill(q, kv, idx, method="quilt", d_v=64, backend="cutlass")
 
 
+def test_launch_refuses_an_out_it_cannot_write_in_16_byte_pieces():
+    q, kv = randn(4, 2, 576, seed=0), randn(32, 576, seed=1)
+    ml, lse = torch.empty(4, 2), torch.empty(4, 2)
+    idx = torch.zeros(4, 8, dtype=torch.int32)
+    misaligned = torch.empty(4, 2, 513, dtype=q.dtype)[:, :, 1:]  # 2 bytes off
+    with pytest.raises(ValueError, match="16-byte"):
+        cuda_backend.launch(q, kv, 0.05, misaligned, ml, lse, indices=idx)
+
+
 def test_cuda_backend_refuses_cpu_and_names_why():
     q = randn(4, 2, 576, seed=0, dtype=BF16)
     kv = randn(32, 576, seed=1, dtype=BF16)

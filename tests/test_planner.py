@@ -548,6 +548,21 @@ def test_work_list(G, M, kind):
             p.work_list(bad)
 
 
+@pytest.mark.parametrize("G,qp", [(1, 1), (8, 1), (8, 4), (8, 8), (16, 2)])
+def test_program_order_is_a_longest_first_permutation(G, qp):
+    idx, s_kv = workload("correlated", 45, 64, 21, seed=G + qp)
+    p = plan(add_invalid(idx, s_kv, 0.05, seed=2), s_kv=s_kv, group_size=G, tile=4)
+    _, ntiles = p.work_list(qp)
+    order = p.program_order(qp)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(ntiles.shape[0]))
+    runs = ntiles[order.long()].tolist()
+    assert runs == sorted(runs, reverse=True)
+    for a, b in zip(order.tolist(), order.tolist()[1:]):  # stable: ties keep program order
+        if int(ntiles[a]) == int(ntiles[b]):
+            assert a < b
+    assert p.program_order(qp) is order  # cached
+
+
 # ----------------------------------------------------------------------------- arguments and edge cases
 def test_bad_arguments():
     idx, _ = workload("random", 6, 32, 8, seed=0)

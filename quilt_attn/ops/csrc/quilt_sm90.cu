@@ -14,13 +14,14 @@
 // memory (warpgroup 0 rescales its P0 to the block's final max before publishing it). A producer
 // warpgroup gathers rows with 16-byte cp.async (zero-filled for invalid rows) in quarter tiles:
 // each buffer's value half 0 (chunks 0-3) and half 1 (chunks 4-8) has its own ready / free
-// mbarrier, so a half is refilled as soon as its last reader is done. (v2 split each tile's
-// columns between the warpgroups and ran QK, softmax and PV one after another: 11.7 ms at 64
-// heads; benchmarks/NOTES.md.)
+// mbarrier, so a half is refilled as soon as its last reader is done; its slot loads run a block
+// ahead. The output is staged in Q's shared memory and written with 16-byte stores; plan programs
+// launch longest first. (v2 split each tile's columns between the warpgroups and ran QK, softmax and
+// PV one after another: 11.7 ms at 64 heads query-parallel; this schedule: 8.8 ms. benchmarks/NOTES.md.)
 //
 // Shared memory, 128-byte-swizzled 64-column chunks (the layout wgmma's descriptors expect):
-//   Q 72 KB | kv buffer 0, 1: 72 KB each (P0 reuses buffer 0's rope chunk once QK is done) | P1 8 KB
-//   | member bits, row max, row sums, mbarriers.
+//   Q 72 KB (the output stage after the last QK) | kv buffer 0, 1: 72 KB each (P0 reuses buffer 0's
+//   rope chunk once QK is done) | P1 8 KB | member bits, row max, row sums, mbarriers.
 // This file has no torch dependency: it builds into a plain shared library driven through ctypes
 // (quilt_attn/ops/cuda_backend.py), and compiles alone with nvcc for a build check.
 #include <cuda_bf16.h>
@@ -374,6 +375,17 @@ __device__ __forceinline__ void mask_scale(float (&s)[32], float (&mx)[2], const
   }
 }
 
+// O's two rows of this thread times f[0], f[1] (accumulator layout of m64n256)
+__device__ __forceinline__ void scale_rows(float (&o)[128], const float (&f)[2]) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[j * 4 + 0] *= f[0];
+    o[j * 4 + 1] *= f[0];
+    o[j * 4 + 2] *= f[1];
+    o[j * 4 + 3] *= f[1];
+  }
+}
+
 // s <- 2^(s - m_new); l, o rescaled to m_new and l += row sums; m <- m_new
 __device__ __forceinline__ void softmax_step(float (&s)[32], float (&o)[128], float (&m)[2], float (&l)[2],
                                              const float (&m_new)[2]) {
@@ -393,17 +405,42 @@ __device__ __forceinline__ void softmax_step(float (&s)[32], float (&o)[128], fl
       l[i] += s[j * 4 + i * 2] + s[j * 4 + i * 2 + 1];
     }
   }
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    o[j * 4 + 0] *= alpha[0];
-    o[j * 4 + 1] *= alpha[0];
-    o[j * 4 + 2] *= alpha[1];
-    o[j * 4 + 3] *= alpha[1];
-  }
+  scale_rows(o, alpha);
 }
 
 // kMma = false (measurement only, results invalid) leaves out the matrix products; a compile-time
 // switch, since ptxas serializes wgmma issued under a runtime branch of this kind
+// softmax of this warpgroup's tile against `m_new`, the new running max published for the other
+// warpgroup (named barrier kBarDone), then O += P V over this warpgroup's own tile (P from registers)
+template <typename T, bool kMma, int kBarDone>
+__device__ __forceinline__ void softmax_publish_pv(float (&s)[32], float (&o)[128], float (&m)[2], float (&l)[2],
+                                                   const float (&m_new)[2], uint32_t (&pk)[16], float* red_max,
+                                                   int r0, int lane, uint32_t skv, int wg, bool own_tile) {
+  softmax_step(s, o, m, l, m_new);
+  if (lane % 4 == 0) {
+    red_max[r0] = m[0];
+    red_max[r0 + 8] = m[1];
+  }
+  bar_arrive<kBarDone>();
+  const float one[2] = {1.f, 1.f};
+  pack_p<T>(pk, s, one);
+  wgmma_fence();
+  if (kMma && own_tile) pv_regs<T>(o, pk, skv, wg);
+  wgmma_commit();
+}
+
+// after a QK batch: wait for it and hand its accumulators to ordinary code
+template <bool kMma>
+__device__ __forceinline__ void qk_done(float (&s)[32]) {
+  wgmma_commit();
+  wgmma_wait<0>();
+  if constexpr (!kMma) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+  }
+  fence_regs(s);
+}
+
 template <typename T, typename OutT, bool kMma>
 __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -496,10 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       if constexpr (kMma) qk_chunks<T>(s, sq, skv0, 0, 4, true);
       wait_ready(bars.ready(0, 1), 0);
       if constexpr (kMma) qk_chunks<T>(s, sq, skv0, 4, kChunks, false);
-      wgmma_commit();
-      wgmma_wait<0>();
-      if constexpr (!kMma) for (int i = 0; i < 32; ++i) s[i] = 0.f;
-      fence_regs(s);
+      qk_done<kMma>(s);
     }
     for (int b = 0, phase = 0; b < n_blocks; ++b, phase ^= 1) {
       const bool has1 = 2 * b + 1 < pr.n_tiles;
@@ -507,17 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       mask_scale(s, mx, masks, bit, p.scale2, lane);
 #pragma unroll
       for (int i = 0; i < 2; ++i) m_new[i] = fmaxf(m[i], mx[i]);
-      softmax_step(s, o, m, l, m_new);
-      if (lane % 4 == 0) {
-        red_max[r0] = m[0];
-        red_max[r0 + 8] = m[1];
-      }
-      bar_arrive<kBarMax0>();
-      const float one[2] = {1.f, 1.f};
-      pack_p<T>(pk, s, one);
-      wgmma_fence();
-      if constexpr (kMma) pv_regs<T>(o, pk, skv0, 0);
-      wgmma_commit();
+      softmax_publish_pv<T, kMma, kBarMax0>(s, o, m, l, m_new, pk, red_max, r0, lane, skv0, 0, true);
       wgmma_wait<0>();
       fence_regs(o);
       mbar_arrive(bars.free(0, 0));
@@ -537,13 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
       fence_async_smem();
       bar_arrive<kBarP0>();
       mbar_arrive(bars.free(0, 1));
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[j * 4 + 0] *= f[0];
-        o[j * 4 + 1] *= f[0];
-        o[j * 4 + 2] *= f[1];
-        o[j * 4 + 3] *= f[1];
-      }
+      scale_rows(o, f);
       bar_sync<kBarP1>();
       wgmma_fence();
       if (kMma && has1) pv_smem<T>(o, smem_u32(smem + kSmemP1), skv1, 0);
@@ -556,10 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
         mbar_arrive(bars.free(1, 0));
         wait_ready(bars.ready(0, 1), phase ^ 1);
         if constexpr (kMma) qk_chunks<T>(s, sq, skv0, 4, kChunks, false);
-        wgmma_commit();
-        wgmma_wait<0>();
-        if constexpr (!kMma) for (int i = 0; i < 32; ++i) s[i] = 0.f;
-        fence_regs(s);
+        qk_done<kMma>(s);
       } else {
         wgmma_wait<0>();
         mbar_arrive(bars.free(1, 0));
@@ -576,10 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
         if constexpr (kMma) qk_chunks<T>(s, sq, skv1, 4, kChunks, true);
         wait_ready(bars.ready(1, 0), phase);
         if constexpr (kMma) qk_chunks<T>(s, sq, skv1, 0, 4, false);
-        wgmma_commit();
-        wgmma_wait<0>();
-        if constexpr (!kMma) for (int i = 0; i < 32; ++i) s[i] = 0.f;
-        fence_regs(s);
+        qk_done<kMma>(s);
         mask_scale(s, mx, masks + kTile, bit, p.scale2, lane);
       } else {  // padding tile: nothing to add
 #pragma unroll
@@ -591,17 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
 #pragma unroll
       for (int i = 0; i < 2; ++i) m_new[i] = fmaxf(red_max[r0 + 8 * i], mx[i]);
       __syncwarp();
-      softmax_step(s, o, m, l, m_new);
-      if (lane % 4 == 0) {
-        red_max[r0] = m[0];
-        red_max[r0 + 8] = m[1];
-      }
-      bar_arrive<kBarMax1>();
-      const float one[2] = {1.f, 1.f};
-      pack_p<T>(pk, s, one);
-      wgmma_fence();
-      if (kMma && has1) pv_regs<T>(o, pk, skv1, 1);
-      wgmma_commit();
+      softmax_publish_pv<T, kMma, kBarMax1>(s, o, m, l, m_new, pk, red_max, r0, lane, skv1, 1, has1);
       if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);  // (P1 V1 runs meanwhile)
       bar_sync<kBarP0>();
       wgmma_fence();
