@@ -1065,8 +1065,8 @@ def build_parser() -> argparse.ArgumentParser:
     wg.add_argument("--sweeps-workload", choices=WORKLOADS, default="glm53-like", metavar="W",
                     help="workload of the three sweeps (default: glm53-like)")
     wg.add_argument("--sweeps-backend", choices=("triton", "auto", "cuda"), default="triton",
-                    help="sparse_prefill backend of context and sweep (breakdown always runs the Triton kernel, "
-                         "the only one with its no-kv-load variant) (default: triton)")
+                    help="sparse_prefill backend of context and sweep (breakdown runs the Triton kernel's "
+                         "variants, and on Hopper the CUDA kernel's too) (default: triton)")
     wg.add_argument("--context-lens", type=_int_list, default=list(sweeps.CONTEXT_LENS), metavar="N,N,...",
                     help=f"context: context lengths s_kv (default: {csv(sweeps.CONTEXT_LENS)})")
     wg.add_argument("--context-heads", type=_int_list, default=[16], metavar="H,H,...",

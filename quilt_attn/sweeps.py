@@ -7,7 +7,9 @@ Triton's interpreter, at tiny sizes, for the tests).
   utilization and kv-row reduction (the plan statistics are kept even when a timing fails).
 * ``breakdown``: where the query-parallel kernel's time goes (the paper's Figure 2: kv loading and
   dequantization), measured by variants that leave a stage out: FP8 cache (dequantization),
-  contiguous indices (no scattered gather), no kv loads at all (compute + softmax only).
+  contiguous indices (no scattered gather), no kv loads at all (compute + softmax only). Where the
+  CUDA backend runs (Hopper), the CUDA kernel's own stage variants are added (``cuda_breakdown_rows``:
+  the same launch without the kv gather and / or the matrix products).
 
 Each part has ``<part>_rows(...)`` (measure; returns rows), ``plot_<part>(rows, png)``,
 ``<part>_md(rows, png)`` (markdown lines, for report.md and BENCHMARKS.md) and
@@ -41,6 +43,14 @@ BREAKDOWN_VARIANTS = {
     "no_kv_load": "query-parallel, no kv loads: synthetic tiles from registers (compute + softmax + index reads)",
 }
 NOT_CHECKED = "not applicable: synthetic kv tiles, outputs meaningless"
+# The CUDA kernel's stage variants: the launch's measurement-only ``_skip`` code and what it leaves out
+CUDA_BREAKDOWN_VARIANTS = {
+    "cuda_full": (0, "the CUDA kernel as it runs"),
+    "cuda_no_gather": (1, "no kv gather (the tiles hold whatever shared memory held)"),
+    "cuda_no_matmul": (2, "no QK / PV matrix products (softmax on zeros)"),
+    "cuda_neither": (3, "neither: barriers, softmax, index loads, epilogue"),
+}
+CUDA_NOT_CHECKED = "not applicable: a stage left out, outputs meaningless"
 
 
 def backend_kwargs(backend: str = "triton") -> dict:
@@ -124,9 +134,9 @@ def estimate_seconds(part: str, **sizes) -> float:
     if part == "sweep":
         g, t = sizes.get("group_sizes", SWEEP_GROUP_SIZES), sizes.get("thresholds", SWEEP_THRESHOLDS)
         return inputs(s_q, sizes.get("s_kv", 65536)) + (1 + len(g) * len(t)) * 1.2 + 6 * len(g)
-    if part == "breakdown":
+    if part == "breakdown":  # (+ the CUDA kernel's four variants where it runs: inputs, a build, 4 points)
         heads = sizes.get("heads", BREAKDOWN_HEADS)
-        return sum(inputs(s_q, sizes.get("s_kv", 65536)) + 4 * 1.5 * max(1, h / 16) ** 0.5 + 12 for h in heads)
+        return sum(2 * inputs(s_q, sizes.get("s_kv", 65536)) + 8 * 1.5 * max(1, h / 16) ** 0.5 + 12 for h in heads)
     raise ValueError(f"part must be one of {PARTS}, got {part!r}")
 
 
@@ -390,6 +400,76 @@ def breakdown_rows(heads=BREAKDOWN_HEADS, *, workload: str = "glm53-like", s_q: 
             _release()
         inp = builders = None  # free this head count's inputs before the next
         _release()
+    from .ops import cuda_backend
+
+    why = cuda_backend.unavailable_reason(torch.device(device))
+    if why is None:
+        rows += cuda_breakdown_rows([(workload, h) for h in heads], s_q=s_q, s_kv=s_kv, topk=topk, device=device,
+                                    check_rows=check_rows, timing=timing, log=log)
+    else:
+        log(f"breakdown: no CUDA-kernel rows ({why})")
+    return rows
+
+
+def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int = 2048, dtype: str = "bf16",
+                        device="cuda", check_rows: int = 256, timing: dict | None = None, log=None, libs=None,
+                        variants=tuple(CUDA_BREAKDOWN_VARIANTS)) -> list[dict]:
+    """The CUDA kernel's time by stage: one launch (``cuda_backend.launch``, bf16) and the same launch
+    with the kv gather and / or the matrix products left out (``CUDA_BREAKDOWN_VARIANTS``).
+
+    ``cases``: ``(workload, h)`` pairs; a case runs QUILT with a plan at merge level
+    ``program_shape(h, 8)[0]`` (64 / h queries a program) when that is above 1, else the query
+    programs (``mode``). ``cuda_full`` is checked against the float32 reference (NaN-poisoned output
+    first); the other variants are not (``check``: ``CUDA_NOT_CHECKED``). ``libs``: ``[(name, path)]``
+    prebuilt kernel libraries to compare on the same inputs (benchmarks/cuda_breakdown.py), default the
+    package's build; each row names its ``lib``. The no-matmul variants exist for bf16 only (the
+    measurement build of the kernel).
+    """
+    from pathlib import Path as _Path
+
+    from .ops import cuda_backend
+    from .ops.sparse_attention import program_shape
+    from .planner import plan as make_plan
+
+    log, rows, t0, timing = _log(log), [], time.time(), timing or TIMING
+    own_library_path = cuda_backend.library_path
+    for wl, h in cases:
+        case = Case(wl, h, s_q=s_q, s_kv=s_kv, topk=topk, dtype=dtype)
+        inp = make_inputs(case, device=device)
+        q, kv = inp.sets[0]
+        qp = program_shape(h, 8)[0]
+        pl = make_plan(inp.indices, s_kv=s_kv, merge_level=qp, split_private=False) if qp > 1 else None
+        kw = dict(plan=pl) if pl is not None else dict(indices=inp.indices)
+        out = torch.empty(s_q, h, bench.D_V, dtype=q.dtype, device=q.device)
+        ml = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+        lse = torch.empty_like(ml)
+        scale = bench.D_QK ** -0.5
+        try:
+            for lib, path in (libs or [("package", None)]):
+                cuda_backend._LIB = None  # (re)load: the package's build or ``path``
+                cuda_backend.library_path = own_library_path if path is None else (lambda d=(), p=path: _Path(p))
+                out.fill_(float("nan"))
+                cuda_backend.launch(q, kv, scale, out, ml, lse, **kw)
+                chk = bench.check(inp, out, ml, lse, n_check=check_rows)
+                for v in variants:
+                    skip, what = CUDA_BREAKDOWN_VARIANTS[v]
+                    ms = bench.time_ms(lambda: cuda_backend.launch(q, kv, scale, out, ml, lse, _skip=skip, **kw),
+                                       **timing)
+                    r = dict(method="quilt" if pl is not None else "query_parallel", backend="cuda", lib=lib,
+                             workload=wl, kv="bf16", dtype=dtype, h=h, s_q=s_q, s_kv=s_kv, topk=topk, variant=v, what=what, ms=ms,
+                             tflops=bench.useful_flops(s_q, topk, h) / ms / 1e9,
+                             mode="quilt" if pl is not None else "query_parallel")
+                    if skip == 0:
+                        r.update(rel_err=chk["rel_err"], check=f"float32 reference, {check_rows} sampled queries")
+                    else:
+                        r["check"] = CUDA_NOT_CHECKED
+                    rows.append(r)
+                    log(f"[{time.time() - t0:6.1f}s] cuda breakdown {wl} h={h} {lib} {v}: {ms:.3f} ms")
+        finally:
+            cuda_backend._LIB = None
+            cuda_backend.library_path = own_library_path
+        inp = pl = kw = None
+        _release()
     return rows
 
 
@@ -403,7 +483,7 @@ def breakdown_summary(rows: list[dict]) -> list[dict]:
     cost, negative when the saving wins. Shares are of ``a`` (of ``b`` for dequant). Stages whose
     variants failed are left out.
     """
-    out = []
+    out, rows = [], [r for r in rows if r["variant"] in BREAKDOWN_VARIANTS]
     for h in sorted({r["h"] for r in rows}):
         ms = {r["variant"]: r["ms"] for r in rows if r["h"] == h and "ms" in r}
         a, b, c, d = (ms.get(v) for v in ("full", "fp8", "contiguous", "no_kv_load"))
@@ -479,6 +559,8 @@ def breakdown_md(rows: list[dict], png=None) -> list[str]:
              "rows, so mostly L2 hits). Dequant = FP8 - dense: dequantization minus what the 656-byte rows save "
              "in loads over 1152-byte ones, a lower bound.", "",
              "| h | variant | kv | ms | TFLOP/s | check | what |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    cuda = [r for r in rows if r["variant"] in CUDA_BREAKDOWN_VARIANTS]
+    rows = [r for r in rows if r["variant"] in BREAKDOWN_VARIANTS]
     for r in rows:
         res = f"{r['ms']:.3f} | {r['tflops']:.0f}" if "ms" in r else f"error: {r['error'][:60]} | "
         chk = f"rel_err {r['rel_err']:.1e}" if "rel_err" in r else ("not checked" if "ms" in r else "")
@@ -499,7 +581,39 @@ def breakdown_md(rows: list[dict], png=None) -> list[str]:
         lines += ["", f"At h = {', '.join(bad)} the no-kv-load variant took longer than the full kernel: making the "
                   "tile in registers costs more than loading it, so it does not isolate the compute and no "
                   "compute / load split is given there."]
-    return lines + [""] + _image(png)
+    return lines + [""] + _image(png) + cuda_breakdown_md(cuda)
+
+
+def cuda_breakdown_md(rows: list[dict]) -> list[str]:
+    """Markdown of ``cuda_breakdown_rows``: per case and library, the four variants' ms and what the
+    gather and the matrix products add over the kernel without them (empty without rows)."""
+    if not rows:
+        return []
+    lines = ["### The CUDA kernel (the same launch without the kv gather and / or the matrix products)", "",
+             "Only `full` is checked (rel-L2 against the float32 reference); the other variants' outputs are "
+             "meaningless. Exposed gather = full - no gather; exposed matrix products = full - no matmul.", "",
+             "| workload | h | mode | lib | full ms | no gather | no matmul | neither | exposed gather | "
+             "exposed matmul | rel_err |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    keys = []
+    for r in rows:
+        k = (r["workload"], r["h"], r.get("lib", "package"))
+        if k not in keys:
+            keys.append(k)
+    for wl, h, lib in keys:
+        ms = {r["variant"]: r for r in rows if (r["workload"], r["h"], r.get("lib", "package")) == (wl, h, lib)}
+
+        def t(v):
+            return f"{ms[v]['ms']:.3f}" if v in ms and "ms" in ms[v] else ""
+
+        def diff(a, b):
+            return f"{ms[a]['ms'] - ms[b]['ms']:.3f}" if t(a) and t(b) else ""
+
+        mode = next(iter(ms.values())).get("mode", "")
+        err = f"{ms['cuda_full']['rel_err']:.1e}" if "rel_err" in ms.get("cuda_full", {}) else ""
+        lines.append(f"| {wl} | {h} | {mode} | {lib} | {t('cuda_full')} | {t('cuda_no_gather')} | "
+                     f"{t('cuda_no_matmul')} | {t('cuda_neither')} | {diff('cuda_full', 'cuda_no_gather')} | "
+                     f"{diff('cuda_full', 'cuda_no_matmul')} | {err} |")
+    return lines + [""]
 
 
 # ------------------------------------------------------------------------------------ parts

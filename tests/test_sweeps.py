@@ -329,3 +329,47 @@ def test_report_gpu_path_runs_sweeps(tmp_path, monkeypatch, capsys):
     assert calls["grid"] == {"s_q": 4096}
     assert calls["context"]["s_q"] == calls["sweep"]["s_q"] == calls["breakdown"]["s_q"] == 4096
     assert (tmp_path / "BENCHMARKS.md").read_text() == before
+
+
+# ------------------------------------------------------------------------------ CUDA breakdown
+
+@pytest.mark.interpret
+def test_cuda_breakdown_rows_with_a_stand_in(cuda_stand_in, monkeypatch):
+    """The CUDA breakdown's loop on the CPU: the stand-in (the Triton pass the kernel mirrors) ignores the
+    stage switch, so this checks the plumbing: every variant launched with its switch and timed, QUILT
+    below 64 heads and the query programs at 64, only ``cuda_full`` checked against the reference."""
+    from quilt_attn.ops import cuda_backend
+
+    stand_in, switches = cuda_backend.launch, []
+
+    def launch(*a, _skip=0, **k):
+        switches.append(_skip)
+        return stand_in(*a, **k)
+
+    monkeypatch.setattr(cuda_backend, "launch", launch)
+    rows = sweeps.cuda_breakdown_rows([("glm53-like", 16), ("glm53-like", 64)], s_q=4, s_kv=64, topk=32,
+                                      dtype="fp16", device="cpu", check_rows=4, timing=dict(warmup=1, rep=1))
+    assert [(r["h"], r["variant"]) for r in rows] == [(h, v) for h in (16, 64) for v in sweeps.CUDA_BREAKDOWN_VARIANTS]
+    assert switches == [0, 0, 1, 2, 3] * 2  # the checked launch, then one timed launch a variant
+    assert [r["mode"] for r in rows] == ["quilt"] * 4 + ["query_parallel"] * 4
+    assert [p is not None for p in cuda_stand_in] == [True] * 5 + [False] * 5
+    for r in rows:
+        assert r["backend"] == "cuda" and r["lib"] == "package" and r["ms"] > 0
+        if r["variant"] == "cuda_full":
+            assert r["rel_err"] < TOL and "float32 reference" in r["check"]
+        else:
+            assert "rel_err" not in r and r["check"] == sweeps.CUDA_NOT_CHECKED
+    assert cuda_backend._LIB is None  # the library handle is left for the next caller to load
+
+
+def test_cuda_breakdown_md_and_the_breakdown_section_with_cuda_rows():
+    cuda = [{"workload": "glm53-like", "h": 64, "mode": "query_parallel", "lib": "package", "variant": v, "ms": t,
+             "tflops": 1.0, "backend": "cuda", **({"rel_err": 1.9e-3} if v == "cuda_full" else {})}
+            for v, t in zip(sweeps.CUDA_BREAKDOWN_VARIANTS, (9.0, 7.5, 5.25, 3.25))]
+    md = sweeps.cuda_breakdown_md(cuda)
+    assert "| glm53-like | 64 | query_parallel | package | 9.000 | 7.500 | 5.250 | 3.250 | 1.500 | 3.750 | 1.9e-03 |" in md
+    assert sweeps.cuda_breakdown_md([]) == []
+    rows = _fake_breakdown({16: (10.0, 12.0, 7.0, 4.0)}) + cuda
+    assert [s["h"] for s in sweeps.breakdown_summary(rows)] == [16]  # the CUDA rows stay out of the Triton stages
+    text = "\n".join(sweeps.breakdown_md(rows))
+    assert "### The CUDA kernel" in text and "| 16 | 4.000 ms (40%) |" in text
