@@ -13,7 +13,6 @@ arrivals. racecheck reports hazards at those two hand-offs in the default build;
 this build says the protocol itself has no race.
 """
 import sys
-from pathlib import Path
 
 import torch
 
@@ -23,8 +22,7 @@ from quilt_attn.ops import cuda_backend
 from quilt_attn.workloads import generate
 
 if "--strict-sync" in sys.argv:
-    lib = cuda_backend.build(defines=("-DQUILT_SANITIZER_SYNC",))
-    cuda_backend.library_path = lambda defines=(): Path(lib)
+    cuda_backend.use_library(cuda_backend.build(defines=("-DQUILT_SANITIZER_SYNC",)))
     print("kernel built with QUILT_SANITIZER_SYNC")
 
 torch.manual_seed(0)

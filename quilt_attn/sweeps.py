@@ -419,20 +419,17 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
 
     ``cases``: ``(workload, h)`` pairs; a case runs QUILT with a plan at merge level
     ``program_shape(h, 8)[0]`` (64 / h queries a program) when that is above 1, else the query
-    programs (``mode``). ``cuda_full`` is checked against the float32 reference (NaN-poisoned output
+    programs (``method``). ``cuda_full`` is checked against the float32 reference (NaN-poisoned output
     first); the other variants are not (``check``: ``CUDA_NOT_CHECKED``). ``libs``: ``[(name, path)]``
     prebuilt kernel libraries to compare on the same inputs (benchmarks/cuda_breakdown.py), default the
     package's build; each row names its ``lib``. The no-matmul variants exist for bf16 only (the
     measurement build of the kernel).
     """
-    from pathlib import Path as _Path
-
     from .ops import cuda_backend
     from .ops.sparse_attention import program_shape
     from .planner import plan as make_plan
 
     log, rows, t0, timing = _log(log), [], time.time(), timing or TIMING
-    own_library_path = cuda_backend.library_path
     for wl, h in cases:
         case = Case(wl, h, s_q=s_q, s_kv=s_kv, topk=topk, dtype=dtype)
         inp = make_inputs(case, device=device)
@@ -446,8 +443,7 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
         scale = bench.D_QK ** -0.5
         try:
             for lib, path in (libs or [("package", None)]):
-                cuda_backend._LIB = None  # (re)load: the package's build or ``path``
-                cuda_backend.library_path = own_library_path if path is None else (lambda d=(), p=path: _Path(p))
+                cuda_backend.use_library(path)
                 out.fill_(float("nan"))
                 cuda_backend.launch(q, kv, scale, out, ml, lse, **kw)
                 chk = bench.check(inp, out, ml, lse, n_check=check_rows)
@@ -457,8 +453,7 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
                                        **timing)
                     r = dict(method="quilt" if pl is not None else "query_parallel", backend="cuda", lib=lib,
                              workload=wl, kv="bf16", dtype=dtype, h=h, s_q=s_q, s_kv=s_kv, topk=topk, variant=v, what=what, ms=ms,
-                             tflops=bench.useful_flops(s_q, topk, h) / ms / 1e9,
-                             mode="quilt" if pl is not None else "query_parallel")
+                             tflops=bench.useful_flops(s_q, topk, h) / ms / 1e9)
                     if skip == 0:
                         r.update(rel_err=chk["rel_err"], check=f"float32 reference, {check_rows} sampled queries")
                     else:
@@ -466,8 +461,7 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
                     rows.append(r)
                     log(f"[{time.time() - t0:6.1f}s] cuda breakdown {wl} h={h} {lib} {v}: {ms:.3f} ms")
         finally:
-            cuda_backend._LIB = None
-            cuda_backend.library_path = own_library_path
+            cuda_backend.use_library(None)
         inp = pl = kw = None
         _release()
     return rows
@@ -592,7 +586,7 @@ def cuda_breakdown_md(rows: list[dict]) -> list[str]:
     lines = ["### The CUDA kernel (the same launch without the kv gather and / or the matrix products)", "",
              "Only `full` is checked (rel-L2 against the float32 reference); the other variants' outputs are "
              "meaningless. Exposed gather = full - no gather; exposed matrix products = full - no matmul.", "",
-             "| workload | h | mode | lib | full ms | no gather | no matmul | neither | exposed gather | "
+             "| workload | h | method | lib | full ms | no gather | no matmul | neither | exposed gather | "
              "exposed matmul | rel_err |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = []
     for r in rows:
@@ -608,9 +602,9 @@ def cuda_breakdown_md(rows: list[dict]) -> list[str]:
         def diff(a, b):
             return f"{ms[a]['ms'] - ms[b]['ms']:.3f}" if t(a) and t(b) else ""
 
-        mode = next(iter(ms.values())).get("mode", "")
+        method = next(iter(ms.values())).get("method", "")
         err = f"{ms['cuda_full']['rel_err']:.1e}" if "rel_err" in ms.get("cuda_full", {}) else ""
-        lines.append(f"| {wl} | {h} | {mode} | {lib} | {t('cuda_full')} | {t('cuda_no_gather')} | "
+        lines.append(f"| {wl} | {h} | {method} | {lib} | {t('cuda_full')} | {t('cuda_no_gather')} | "
                      f"{t('cuda_no_matmul')} | {t('cuda_neither')} | {diff('cuda_full', 'cuda_no_gather')} | "
                      f"{diff('cuda_full', 'cuda_no_matmul')} | {err} |")
     return lines + [""]

@@ -95,6 +95,14 @@ def test_kernel_library_builds_and_matches_the_parameter_block(tmp_path, monkeyp
     lib = ctypes.CDLL(str(path))
     assert lib.quilt_sm90_params_size() == ctypes.sizeof(cuda_backend._Params)
     assert lib.quilt_sm90_smem_bytes() <= 232448
+    variant = tmp_path / "variant.so"  # a prebuilt variant (tools: sanitizer build, -D switches)
+    variant.write_bytes(path.read_bytes())
+    try:
+        cuda_backend.use_library(variant)
+        assert cuda_backend._library()._name == str(variant)
+    finally:
+        cuda_backend.use_library(None)
+    assert cuda_backend._LIB is None and cuda_backend._OVERRIDE is None
 
 
 # =============================================================================================

@@ -351,7 +351,7 @@ def test_cuda_breakdown_rows_with_a_stand_in(cuda_stand_in, monkeypatch):
                                       dtype="fp16", device="cpu", check_rows=4, timing=dict(warmup=1, rep=1))
     assert [(r["h"], r["variant"]) for r in rows] == [(h, v) for h in (16, 64) for v in sweeps.CUDA_BREAKDOWN_VARIANTS]
     assert switches == [0, 0, 1, 2, 3] * 2  # the checked launch, then one timed launch a variant
-    assert [r["mode"] for r in rows] == ["quilt"] * 4 + ["query_parallel"] * 4
+    assert [r["method"] for r in rows] == ["quilt"] * 4 + ["query_parallel"] * 4
     assert [p is not None for p in cuda_stand_in] == [True] * 5 + [False] * 5
     for r in rows:
         assert r["backend"] == "cuda" and r["lib"] == "package" and r["ms"] > 0
@@ -359,11 +359,11 @@ def test_cuda_breakdown_rows_with_a_stand_in(cuda_stand_in, monkeypatch):
             assert r["rel_err"] < TOL and "float32 reference" in r["check"]
         else:
             assert "rel_err" not in r and r["check"] == sweeps.CUDA_NOT_CHECKED
-    assert cuda_backend._LIB is None  # the library handle is left for the next caller to load
+    assert cuda_backend._LIB is None and cuda_backend._OVERRIDE is None  # the package's build, loaded on next use
 
 
 def test_cuda_breakdown_md_and_the_breakdown_section_with_cuda_rows():
-    cuda = [{"workload": "glm53-like", "h": 64, "mode": "query_parallel", "lib": "package", "variant": v, "ms": t,
+    cuda = [{"workload": "glm53-like", "h": 64, "method": "query_parallel", "lib": "package", "variant": v, "ms": t,
              "tflops": 1.0, "backend": "cuda", **({"rel_err": 1.9e-3} if v == "cuda_full" else {})}
             for v, t in zip(sweeps.CUDA_BREAKDOWN_VARIANTS, (9.0, 7.5, 5.25, 3.25))]
     md = sweeps.cuda_breakdown_md(cuda)

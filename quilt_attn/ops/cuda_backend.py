@@ -91,13 +91,22 @@ def build(nvcc: str | None = None, *, verbose: bool = False, defines: tuple[str,
 
 _LOCK = threading.Lock()
 _LIB = None
+_OVERRIDE: Path | None = None  # a prebuilt library to load instead of the package's build (use_library)
+
+
+def use_library(path: str | Path | None = None) -> None:
+    """Load the kernels from ``path`` from the next launch on (a prebuilt variant, e.g. ``build(defines=...)``
+    for compute-sanitizer or a -D measurement switch); None: the package's own build again."""
+    global _LIB, _OVERRIDE
+    with _LOCK:
+        _LIB, _OVERRIDE = None, (None if path is None else Path(path))
 
 
 def _library():
     global _LIB
     with _LOCK:
         if _LIB is None:
-            lib = ctypes.CDLL(str(build()))
+            lib = ctypes.CDLL(str(_OVERRIDE or build()))
             lib.quilt_sm90_launch.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                               ctypes.c_int, ctypes.c_void_p]
             lib.quilt_sm90_launch.restype = ctypes.c_int
