@@ -1,36 +1,84 @@
-"""Planner timing on the GPU: fused Triton kernel (bitmap or SCSD masks, launch shapes) vs torch.
+"""Planner timing on the GPU (issue 3): the CUDA planner, the fused Triton planner (bitmap and SCSD
+masks) and, with ``--torch``, the torch planner, at s_q 16384 over a 65536-token context, Top-2048.
 
-Usage: python benchmarks/plan_timing.py WORKLOAD[,WORKLOAD...] [--full]
+Configurations are the ones the attention backends plan with: group 8, tile 64, merge level 64 // h
+(h = 8: merge 8; h = 16: merge 4, private rows split off as Triton runs them, or kept as CUDA runs them),
+and the paper's full cascade (merge 1). Every plan is compared field by field with the Triton bitmap
+plan of the same configuration; ``alloc`` times ``plan_buffers`` alone (the output tensors' fills,
+part of every planner's time). Times: median of ``triton.testing.do_bench``; the indices (128 MB,
+larger than L2) are built outside the timed region.
+
+Usage: PYTHONPATH=$PWD python benchmarks/plan_timing.py --out $OUT/plan_timing.json [--workloads glm53-like,random]
 """
-import sys
+from __future__ import annotations
+
+import argparse
 
 import torch
-import triton
 
-import quilt_attn.planner.triton_plan as tp
 from quilt_attn import plan
+from quilt_attn.bench import save, time_ms
+from quilt_attn.planner.plan import plan_buffers
 from quilt_attn.workloads import generate
 
-s_q, s_kv, topk = 16384, 65536, 2048
-full = "--full" in sys.argv
-FIELDS = ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "dropped")
-for wl in sys.argv[1].split(","):
-    idx = generate(wl, s_q, s_kv, topk, device="cuda")
-    for G, M in [(8, 4), (8, 8), (4, 4), (8, 1)]:
-        variants = [("triton", "bitmap", pps, w) for pps, w in [(1, 16), (2, 16), (4, 16), (2, 32), (4, 8)]]
-        if full:
-            variants += [("triton", "sort", 4, 16), ("torch", "bitmap", 0, 0)]
-        for backend, method, pps, w in variants:
-            tp.PLAN_PROGS_PER_SM, tp.PLAN_WARPS = pps or 4, w or 16
-            f = lambda: plan(idx, s_kv=s_kv, group_size=G, merge_level=M, method=method, backend=backend)
-            ms = triton.testing.do_bench(f, warmup=5, rep=40, return_mode="median")
-            st = f().stats
-            print(f"{wl:<12} G={G} M={M} {backend:<6} {method:<6} progs/SM={pps} warps={w:<2} {ms:8.3f} ms  "
-                  f"rows {st['rows_processed'] / st['valid_pairs']:.3f} tiles {st['tiles']} "
-                  f"util {st['tile_utilization']:.3f}", flush=True)
-    tp.PLAN_PROGS_PER_SM, tp.PLAN_WARPS = 4, 16
-    a = plan(idx, s_kv=s_kv, group_size=8, merge_level=4, backend="torch")
-    b = plan(idx, s_kv=s_kv, group_size=8, merge_level=4, backend="triton")
-    c = plan(idx, s_kv=s_kv, group_size=8, merge_level=4, backend="triton", method="sort")
-    same = all(torch.equal(getattr(a, f), getattr(x, f)) for x in (b, c) for f in FIELDS)
-    print(f"{wl}: torch == triton(bitmap) == triton(sort) at full size: {same}", flush=True)
+S_Q, S_KV, TOPK = 16384, 65536, 2048
+FIELDS = ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "dropped", "priv_idx",
+          "priv_n", "valid_pairs")
+CONFIGS = [  # (label, group_size, merge_level, split_private)
+    ("h8", 8, 8, False), ("h16-cuda", 8, 4, False), ("h16-triton", 8, 4, True), ("full-cascade", 8, 1, False),
+    ("G4", 4, 4, False),
+]
+
+
+def same_plan(a, b) -> bool:
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+            return False
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workloads", default="glm53-like,ds32-like,random")
+    ap.add_argument("--torch", action="store_true", help="also time the torch planner (slow)")
+    args = ap.parse_args()
+    rows = []
+    for wl in args.workloads.split(","):
+        idx = generate(wl, S_Q, S_KV, TOPK, seed=0, device="cuda")
+        for label, G, M, split in CONFIGS:
+            kw = dict(s_kv=S_KV, group_size=G, merge_level=M, split_private=split)
+            ref = plan(idx, backend="triton", **kw)
+            variants = [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")]
+            if args.torch:
+                variants.append(("torch", "bitmap"))
+            alloc_ms = time_ms(lambda: plan_buffers(S_Q, TOPK, G, M, 64, split, idx.device), warmup=5, rep=40)
+            for backend, method in variants:
+                f = lambda: plan(idx, backend=backend, method=method, **kw)  # noqa: E731
+                got = f()
+                torch.cuda.synchronize()
+                ms = time_ms(f, warmup=5, rep=40)
+                st = got.stats
+                rows.append({"workload": wl, "config": label, "group_size": G, "merge_level": M,
+                             "split_private": split, "backend": backend, "method": method, "ms": ms,
+                             "alloc_ms": alloc_ms, "same_as_triton_bitmap": same_plan(got, ref),
+                             "tiles": st["tiles"], "rows_processed": st["rows_processed"],
+                             "reduction": st["reduction"]})
+                r = rows[-1]
+                print(f"{wl:<11} {label:<13} {backend:<6} {method:<6} {ms:8.3f} ms  (alloc {alloc_ms:.3f})  "
+                      f"same={r['same_as_triton_bitmap']}  tiles {st['tiles']}  reduction {st['reduction']:.3f}",
+                      flush=True)
+    save(rows, args.out, {"what": "planner time by backend, s_q 16384, s_kv 65536, topk 2048"})
+    print(f"\n{'workload':<11} {'config':<13} " + " ".join(f"{b + '/' + m:>14}" for b, m in
+                                                      [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")]))
+    for wl in args.workloads.split(","):
+        for label, *_ in CONFIGS:
+            sel = {(r["backend"], r["method"]): r for r in rows if r["workload"] == wl and r["config"] == label}
+            cells = " ".join(f"{sel[k]['ms']:>12.3f}{'  ' if sel[k]['same_as_triton_bitmap'] else ' !'}"
+                             for k in [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")])
+            print(f"{wl:<11} {label:<13} {cells}")
+
+
+if __name__ == "__main__":
+    main()

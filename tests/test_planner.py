@@ -667,14 +667,15 @@ _ON_GPU = torch.cuda.is_available()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _backend_case(G, M, T, tau, imp, method, device, s_q=37, topk=24, s_kv=200, seed=0, both_lengths=True):
+def _backend_case(G, M, T, tau, imp, method, device, s_q=37, topk=24, s_kv=200, seed=0, both_lengths=True,
+                  backend="triton", split=False):
     idx, s_kv = workload("correlated", s_q, s_kv, topk, seed=seed)
     idx = add_invalid(idx, s_kv, 0.1, seed=seed).to(device)
     tl = torch.randint(0, topk + 1, (s_q,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32).to(device)
     for topk_length in ((None, tl) if both_lengths else (tl,)):
         kw = dict(s_kv=s_kv, topk_length=topk_length, group_size=G, tile=T, clip_threshold=tau, merge_level=M,
-                  importance_clip=imp, method=method)
-        _plans_equal(plan(idx, backend="triton", **kw), plan(idx, backend="torch", **kw))
+                  importance_clip=imp, method=method, split_private=split)
+        _plans_equal(plan(idx, backend=backend, **kw), plan(idx, backend="torch", **kw))
 
 
 @pytest.mark.gpu
@@ -702,3 +703,58 @@ def test_triton_planner_refuses_tiles_not_a_power_of_two():
 @pytest.mark.skipif(_ON_GPU or not _INTERPRET, reason="Triton interpreter check (CPU with TRITON_INTERPRET=1)")
 def test_triton_backend_matches_torch_interpreter():
     _backend_case(4, 1, 4, 0.5, True, "bitmap", "cpu", s_q=9, topk=10, s_kv=40, both_lengths=False)
+
+
+# ----------------------------------------------------------------------------- CUDA planner backend
+_ON_HOPPER = _ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_HOPPER, reason="the CUDA planner needs an sm_90 GPU")
+@pytest.mark.parametrize("G,M,T,tau,imp,split", [(1, 1, 64, 0.5, False, False), (2, 1, 4, 0.5, True, False),
+                                                 (4, 2, 8, 1.0, False, True), (8, 1, 16, 0.5, True, False),
+                                                 (8, 4, 64, 0.5, False, True), (8, 4, 8, 0.5, True, True),
+                                                 (8, 8, 2, 0.25, False, False), (8, 2, 3, 0.75, False, False),
+                                                 (4, 4, 64, 0.0, False, True), (8, 1, 1, 0.5, False, False)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cuda_planner_matches_torch_gpu(G, M, T, tau, imp, split, seed):
+    """The CUDA planner equals the torch planner (invalid rows, topk_length, clipping, split private rows)."""
+    _backend_case(G, M, T, tau, imp, "bitmap", "cuda", seed=seed, backend="cuda", split=split)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_HOPPER, reason="the CUDA planner needs an sm_90 GPU")
+@pytest.mark.parametrize("kind", ["glm53-like", "random", "identical"])
+@pytest.mark.parametrize("G,M,split", [(8, 8, False), (8, 4, True), (8, 1, False), (4, 4, False), (2, 1, True)])
+def test_cuda_planner_matches_triton_full_topk(kind, G, M, split):
+    """Full-size lists (topk 2048 over a 64K context): the CUDA planner's hash table equals the Triton planner."""
+    from quilt_attn.workloads import generate
+
+    if kind == "identical":
+        idx = generate("random", 1, 65536, 2048, seed=3, device="cuda").expand(300, 2048).contiguous()
+    else:
+        idx = generate(kind, 300, 65536, 2048, seed=3, device="cuda")
+    kw = dict(s_kv=65536, group_size=G, merge_level=M, split_private=split)
+    _plans_equal(plan(idx, backend="cuda", **kw), plan(idx, backend="triton", **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_HOPPER, reason="the CUDA planner needs an sm_90 GPU")
+def test_cuda_planner_scope_and_auto():
+    """Outside its scope the CUDA planner names the limit; ``auto`` then runs Triton, inside it CUDA."""
+    idx = torch.randint(0, 4096, (64, 32), dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="group sizes up to 8"):
+        plan(idx, s_kv=4096, group_size=16, backend="cuda")
+    with pytest.raises(ValueError, match="method='bitmap'"):
+        plan(idx, s_kv=4096, method="sort", backend="cuda")
+    big = torch.randint(0, 4096, (16, 4096), dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="16384 entries a group"):
+        plan(big, s_kv=4096, group_size=8, backend="cuda")
+    _plans_equal(plan(idx, s_kv=4096, group_size=16), plan(idx, s_kv=4096, group_size=16, backend="triton"))
+    _plans_equal(plan(idx, s_kv=4096), plan(idx, s_kv=4096, backend="cuda"))
+
+
+def test_cuda_planner_refuses_cpu_indices():
+    idx = torch.randint(0, 64, (16, 8), dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend='cuda': the CUDA backend needs a CUDA device"):
+        plan(idx, s_kv=64, backend="cuda")

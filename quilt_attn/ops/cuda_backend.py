@@ -1,7 +1,7 @@
 """CUDA backend (Hopper, sm_90a): built on first use, launched through ctypes.
 
-The kernel (``csrc/quilt_sm90.cu``) has no torch dependency: nvcc builds it into a plain shared
-library (about 10 s), cached under ``$QUILT_CUDA_CACHE`` (default ``~/.cache/quilt_attn``) by a
+The kernels (``csrc/quilt_sm90.cu``: attention; ``csrc/quilt_plan.cu``: the planner) have no torch
+dependency: nvcc builds them into one plain shared library (about 10 s), cached under ``$QUILT_CUDA_CACHE`` (default ``~/.cache/quilt_attn``) by a
 hash of the sources and flags, so one build serves every torch version and later runs load it at
 once. Tensors are passed as raw pointers on torch's current stream.
 
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quilt_sm90.cu", "wgmma_ops.cuh")
+UNITS = ("quilt_sm90.cu", "quilt_plan.cu")  # translation units, linked into one library
+SOURCES = (*UNITS, "wgmma_ops.cuh")
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--use_fast_math",
               "-shared", "-Xcompiler", "-fPIC")
 D_QK, D_V, TILE = 576, 512, 64
@@ -42,6 +43,17 @@ class _Params(ctypes.Structure):
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "h", "topk", "prog_cap", "group_size", "qp", "hb",
                                              "from_plan")]
     _fields_ += [("scale2", ctypes.c_float), ("skip", ctypes.c_int)]
+
+
+class _PlanParams(ctypes.Structure):
+    # mirrors quilt_plan::PlanParams field by field (checked against the library's sizeof at load)
+    _fields_ = [(n, ctypes.c_void_p) for n in ("indices", "topk_length", "tile_kv", "tile_mask", "tile_level",
+                                                "tile_members", "group_tiles", "group_rows", "group_valid", "dropped",
+                                                "priv_idx", "priv_n")]
+    _fields_ += [("stride_idx", ctypes.c_longlong)]
+    _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "topk", "n_groups", "cap", "tile", "merge", "iclip",
+                                             "split", "log_slots")]
+    _fields_ += [("thr", ctypes.c_float)]
 
 
 def find_nvcc() -> str | None:
@@ -79,7 +91,7 @@ def build(nvcc: str | None = None, *, verbose: bool = False, defines: tuple[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_lib = Path(tmp) / path.name
-        cmd = [nvcc, *NVCC_FLAGS, *defines, "-o", str(tmp_lib), str(CSRC / "quilt_sm90.cu")]
+        cmd = [nvcc, *NVCC_FLAGS, *defines, "-o", str(tmp_lib), *(str(CSRC / u) for u in UNITS)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if verbose or res.returncode != 0:
             print(res.stdout + res.stderr)
@@ -112,7 +124,11 @@ def _library():
             lib.quilt_sm90_launch.restype = ctypes.c_int
             lib.quilt_sm90_error_string.restype = ctypes.c_char_p
             lib.quilt_sm90_error_string.argtypes = [ctypes.c_int]
-            if lib.quilt_sm90_params_size() != ctypes.sizeof(_Params):
+            lib.quilt_plan_launch.argtypes = [ctypes.POINTER(_PlanParams), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                              ctypes.c_void_p]
+            lib.quilt_plan_launch.restype = ctypes.c_int
+            if (lib.quilt_sm90_params_size() != ctypes.sizeof(_Params)
+                    or lib.quilt_plan_params_size() != ctypes.sizeof(_PlanParams)):
                 raise CudaBackendError("CUDA backend: parameter block layout differs between Python and the library")
             _LIB = lib
     return _LIB
@@ -201,6 +217,57 @@ def query_programs_on_triton(h: int, auto: bool) -> bool:
 
 def _ptr(t) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+# The planner kernel's scope (csrc/quilt_plan.cu): member bits in one byte, a group's entries at most
+# half the shared-memory table (32768 slots of 5 bytes), kv rows that fit 24 bits next to them.
+PLAN_MAX_GROUP, PLAN_MAX_ENTRIES, PLAN_MAX_S_KV = 8, 16384, (1 << 24) - 2
+
+
+def plan_list_pad(group_size: int, topk: int) -> int:
+    """Entries a member list occupies in the planner kernel (16 a thread, whole warps a group)."""
+    step = 512 // group_size
+    return -(-topk // step) * step
+
+
+def plan_unsupported_reason(group_size: int, topk: int, s_kv: int) -> str | None:
+    """Why the CUDA planner cannot plan this shape (None when it can)."""
+    if group_size > PLAN_MAX_GROUP:
+        return f"the CUDA planner runs group sizes up to {PLAN_MAX_GROUP}, got {group_size}"
+    if topk < 1 or group_size * plan_list_pad(group_size, topk) > PLAN_MAX_ENTRIES:
+        return f"the CUDA planner holds up to {PLAN_MAX_ENTRIES} entries a group, got group_size x topk {group_size} x {topk}"
+    if s_kv > PLAN_MAX_S_KV:
+        return f"the CUDA planner indexes kv rows below {PLAN_MAX_S_KV + 1}, got s_kv {s_kv}"
+    return None
+
+
+def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, importance_clip, split_private,
+                out: dict) -> None:
+    """Run the planner kernel over ``indices [s_q, topk]`` (contiguous int32) into the tensors of ``out``
+    (``planner.cuda_plan`` allocates them); one CTA a group, no host sync."""
+    s_q, topk = indices.shape
+    reason = plan_unsupported_reason(group_size, topk, s_kv)
+    if reason:
+        raise ValueError(reason)
+    n_groups = out["group_tiles"].shape[0]
+    if n_groups == 0:
+        return
+    entries = group_size * plan_list_pad(group_size, topk)
+    log_slots = max(6, (2 * entries - 1).bit_length())
+    prm = _PlanParams()
+    prm.indices, prm.topk_length = indices.data_ptr(), _ptr(topk_length)
+    for name in ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "group_valid",
+                 "dropped", "priv_idx", "priv_n"):
+        setattr(prm, name, _ptr(out[name]))
+    prm.stride_idx = indices.stride(0)
+    prm.s_q, prm.s_kv, prm.topk, prm.n_groups = s_q, s_kv, topk, n_groups
+    prm.cap, prm.tile, prm.merge = out["tile_kv"].shape[1], tile, merge_level
+    prm.iclip, prm.split, prm.log_slots, prm.thr = int(importance_clip), int(split_private), log_slots, float(thr)
+    lib = _library()
+    stream = torch.cuda.current_stream(indices.device).cuda_stream
+    err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, entries // 16, 5 << log_slots, ctypes.c_void_p(stream))
+    if err != 0:
+        raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,

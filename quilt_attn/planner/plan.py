@@ -10,8 +10,10 @@ Tile-aware clipping pushes down the representative's lowest-ranked shared rows; 
 learn which rows moved through a per-group table indexed by kv row (one flag bit a block), so no
 list is ever sorted. Importance-aware clipping drops each query's lowest-ranked private rows.
 
-Two implementations give identical plans: a fused Triton kernel (``planner/triton_plan.py``,
-the GPU path, one program a group) and vectorised torch (this file; CPU path and test oracle).
+Three implementations give identical plans: a CUDA kernel (``planner/cuda_plan.py``, the Hopper
+path, one CTA a group with its table in shared memory), a fused Triton kernel
+(``planner/triton_plan.py``, one program a group, table in global memory) and vectorised torch
+(this file; CPU path and test oracle).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 from .._checks import canonical_indices, check_topk_length
 from .membership import METHODS, cascade_levels, check_group_size, member_masks, pad_to_groups
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cuda")
 
 
 @dataclass
@@ -197,6 +199,20 @@ def tile_capacity(G: int, M: int, topk: int, T: int) -> int:
     return -(-G * topk // T) + segment_count(G, M)
 
 
+def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, device) -> dict:
+    """The Plan's tensors, allocated for a kernel planner to fill (unused tile slots: kv -1, mask 0)."""
+    n_groups = -(-s_q // G)
+    cap = tile_capacity(G, M, topk, T)
+    i32 = dict(dtype=torch.int32, device=device)
+    out = dict(tile_kv=torch.full((n_groups, cap, T), -1, **i32), tile_mask=torch.zeros(n_groups, cap, T, **i32),
+               tile_level=torch.full((n_groups, cap), -1, **i32), tile_members=torch.zeros(n_groups, cap, **i32),
+               group_tiles=torch.empty(n_groups, **i32), group_rows=torch.empty(n_groups, **i32),
+               group_valid=torch.empty(n_groups, **i32), dropped=torch.zeros(s_q, **i32), priv_idx=None, priv_n=None)
+    if split_private:
+        out["priv_idx"], out["priv_n"] = torch.full((s_q, topk), -1, **i32), torch.zeros(s_q, **i32)
+    return out
+
+
 def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private):
     """Vectorised torch planner over padded rows ``idx [n_groups * G, topk]`` (rank order)."""
     rows, topk = idx.shape
@@ -299,17 +315,33 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private)
                 dropped=dropped, priv_idx=priv_idx, priv_n=priv_n)
 
 
-def _use_triton(device: torch.device, backend: str, tile: int) -> bool:
+def _planner_backend(device: torch.device, backend: str, tile: int, G: int, topk: int, s_kv: int | None,
+                     method: str) -> str:
+    """The planner that runs: ``backend`` checked, or for ``"auto"`` the CUDA planner where it can run,
+    else Triton on a GPU (power-of-two tiles), else torch."""
     if backend == "torch":
-        return False
+        return "torch"
+    if backend == "cuda":
+        from .cuda_plan import unsupported_reason
+
+        reason = unsupported_reason(device, G, topk, s_kv, method)
+        if reason:
+            raise ValueError(f"backend='cuda': {reason}; use backend='triton' or 'torch'")
+        return "cuda"
     can = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "triton":
         if not can:
             raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1)")
         if tile & (tile - 1):
             raise ValueError(f"backend='triton' needs a power-of-two tile, got {tile}; use backend='torch'")
-        return True
-    return device.type == "cuda" and not tile & (tile - 1)  # other tiles: the torch planner
+        return "triton"
+    if device.type != "cuda":
+        return "torch"
+    from .cuda_plan import unsupported_reason
+
+    if unsupported_reason(device, G, topk, s_kv, method) is None:
+        return "cuda"
+    return "triton" if not tile & (tile - 1) else "torch"  # other tiles: the torch planner
 
 
 def plan(
@@ -351,7 +383,9 @@ def plan(
         (``Plan.priv_idx``); the kernel runs them in 16-row query programs, where a 64-row tile
         would compute mostly masked rows. Also the graceful fallback when nothing is shared.
     method : member masks by ``"bitmap"`` (membership table) or ``"sort"`` (SCSD); same plan.
-    backend : ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"`` (Triton on CUDA).
+    backend : ``"cuda"`` (Hopper kernel, group sizes <= 8, ``group_size * topk <= 16384``, method
+        ``"bitmap"``), ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"``: CUDA where it can run,
+        else Triton on a GPU, else torch.
     """
     indices = canonical_indices(indices)
     G = check_group_size(group_size)
@@ -373,7 +407,12 @@ def plan(
     topk_length = check_topk_length(topk_length, s_q, dev)
     thr = float(clip_threshold) * tile
 
-    if _use_triton(dev, backend, tile):
+    which = _planner_backend(dev, backend, tile, G, topk, s_kv, method)
+    if which == "cuda":
+        from .cuda_plan import plan_cuda
+
+        parts, valid_pairs = plan_cuda(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, split_private)
+    elif which == "triton":
         from .triton_plan import plan_triton
 
         parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method,

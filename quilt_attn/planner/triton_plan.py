@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .membership import member_masks, pad_to_groups
-from .plan import tile_capacity
+from .plan import plan_buffers, tile_capacity
 
 _WORKSPACE: dict = {}
 PLAN_WARPS = 16  # measured on the H200: see benchmarks/NOTES.md
@@ -238,19 +238,7 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
     else:
         masks = torch.empty(rows, topk, dtype=torch.int16, device=dev)
     lvl = torch.empty(rows, topk, dtype=torch.int8, device=dev)
-    tile_kv = torch.full((n_groups, cap, T), -1, dtype=torch.int32, device=dev)
-    tile_mask = torch.zeros(n_groups, cap, T, dtype=torch.int32, device=dev)
-    tile_level = torch.full((n_groups, cap), -1, dtype=torch.int32, device=dev)
-    tile_members = torch.zeros(n_groups, cap, dtype=torch.int32, device=dev)
-    group_tiles = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    group_rows = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    group_valid = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    dropped = torch.zeros(s_q, dtype=torch.int32, device=dev)
-    if split_private:
-        priv_idx = torch.full((s_q, topk), -1, dtype=torch.int32, device=dev)
-        priv_n = torch.zeros(s_q, dtype=torch.int32, device=dev)
-    else:
-        priv_idx = priv_n = None
+    buf = plan_buffers(s_q, topk, G, M, T, split_private, dev)
     if dev.type == "cuda":
         n_prog = min(n_groups, PLAN_PROGS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count)
     else:
@@ -258,12 +246,12 @@ def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, metho
     table = _workspace(dev, n_prog, s_kv)
     _plan_kernel[(n_prog,)](
         indices, topk_length if topk_length is not None else indices, masks, lvl, table,
-        tile_kv, tile_mask, tile_level, tile_members, group_tiles, group_rows, dropped, group_valid,
-        priv_idx if split_private else dropped, priv_n if split_private else dropped,
+        buf["tile_kv"], buf["tile_mask"], buf["tile_level"], buf["tile_members"], buf["group_tiles"],
+        buf["group_rows"], buf["dropped"], buf["group_valid"],
+        buf["priv_idx"] if split_private else buf["dropped"], buf["priv_n"] if split_private else buf["dropped"],
         s_q, s_kv, topk, n_groups, cap, float(thr),
         G=G, M=M, T=T, KP=KP, NTP=NTP, HAS_LEN=topk_length is not None, MASKS_GIVEN=masks_given,
         ICLIP=bool(importance_clip), SPLIT=bool(split_private), num_warps=PLAN_WARPS,
     )
-    parts = dict(tile_kv=tile_kv, tile_mask=tile_mask, tile_level=tile_level, tile_members=tile_members,
-                 group_tiles=group_tiles, group_rows=group_rows, dropped=dropped, priv_idx=priv_idx, priv_n=priv_n)
-    return parts, group_valid.sum(dtype=torch.int64)
+    group_valid = buf.pop("group_valid")
+    return buf, group_valid.sum(dtype=torch.int64)

@@ -1,0 +1,380 @@
+// QUILT planner on the GPU: one CTA a query group, its membership table in shared memory.
+//
+// The same plan as planner/plan.py (torch) and planner/triton_plan.py, computed in one pass over
+// the indices: each list entry is held by one thread (16 consecutive entries of one member's list a
+// thread) from load to tile write, the group's membership table is an open-addressing hash in shared
+// memory keyed by kv row (word = row + 1 in bits 0..23, member bits 24..31), and every ordering
+// question (the tail of a segment, a column's place in its tile) is a block-wide prefix sum.
+// Triton has no indexed shared memory, so its planner keeps this table in global memory (L2); here a
+// table access is a shared-memory access.
+//
+// Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384 (table half full at
+// most), kv rows < 2^24 - 1. Anything else runs the Triton planner.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace quilt_plan {
+
+struct PlanParams {
+  const int* indices;      // [s_q, topk], row stride stride_idx
+  const int* topk_length;  // [s_q] or null
+  int* tile_kv;            // [n_groups, cap, tile]; slots past a group's tiles are left as the caller set them
+  int* tile_mask;          // [n_groups, cap, tile]
+  int* tile_level;         // [n_groups, cap], every slot written
+  int* tile_members;       // [n_groups, cap], every slot written
+  int* group_tiles;        // [n_groups]
+  int* group_rows;         // [n_groups]
+  int* group_valid;        // [n_groups]
+  int* dropped;            // [s_q], written with iclip
+  int* priv_idx;           // [s_q, topk], kept private rows written with split (the rest left as set)
+  int* priv_n;             // [s_q], written with split
+  long long stride_idx;
+  int s_q, s_kv, topk, n_groups, cap, tile, merge, iclip, split, log_slots;
+  float thr;               // clip_threshold * tile
+};
+
+constexpr int kEpt = 16;          // list entries a thread
+constexpr int kMaxThreads = 1024;
+constexpr unsigned kNoSlot = 0xFFFFu;
+constexpr unsigned kRowMask = 0xFFFFFFu;
+constexpr int kMaxSeg = 16;       // segments a group: 2G - 1 levels (+ G / M merged blocks), G <= 8
+
+__device__ __forceinline__ unsigned get_slot(const unsigned (&s)[kEpt / 2], int i) {
+  return (s[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+}
+__device__ __forceinline__ unsigned get_lvl(unsigned long long lv, int i) {
+  return static_cast<unsigned>(lv >> (4 * i)) & 0xFu;
+}
+__device__ __forceinline__ void set_lvl(unsigned long long& lv, int i, unsigned v) {
+  lv = (lv & ~(0xFull << (4 * i))) | (static_cast<unsigned long long>(v) << (4 * i));
+}
+__device__ __forceinline__ unsigned field(unsigned long long x, int f) {
+  return static_cast<unsigned>(x >> (16 * f)) & 0xFFFFu;
+}
+__device__ __forceinline__ int ilog2(unsigned x) { return 31 - __clz(x); }
+
+// The slot of ``row`` in the table, inserted with member bit ``k`` (linear probing; never full).
+__device__ __forceinline__ unsigned insert(unsigned* tbl, int log_slots, int row, int k) {
+  const unsigned key = static_cast<unsigned>(row) + 1u, bit = 1u << (24 + k);
+  const unsigned wrap = (1u << log_slots) - 1u;
+  unsigned h = (static_cast<unsigned>(row) * 2654435769u) >> (32 - log_slots);
+  while (true) {
+    unsigned w = *(reinterpret_cast<volatile unsigned*>(tbl) + h);
+    if (w == 0u) {
+      w = atomicCAS(tbl + h, 0u, key | bit);
+      if (w == 0u) return h;
+    }
+    if ((w & kRowMask) == key) {
+      atomicOr(tbl + h, bit);
+      return h;
+    }
+    h = (h + 1u) & wrap;
+  }
+}
+
+// Exclusive block-wide prefix sum of packed 16-bit counters (no field overflows: <= 16384 entries).
+__device__ __forceinline__ unsigned long long block_excl_scan(unsigned long long v, unsigned long long* wsum) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  unsigned long long x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned long long y = __shfl_up_sync(0xFFFFFFFFu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) wsum[w] = x;
+  __syncthreads();
+  if (w == 0) {
+    unsigned long long t = lane < nw ? wsum[lane] : 0ull;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xFFFFFFFFu, t, d);
+      if (lane >= d) t += y;
+    }
+    if (lane < nw) wsum[lane] = t;
+  }
+  __syncthreads();
+  return x - v + (w ? wsum[w - 1] : 0ull);
+}
+
+// Prefix of ``v`` inside this thread's member list; ``memb[k]`` / ``memb[k + 1]`` bound the member's
+// prefix afterwards (member totals are their difference).
+__device__ __forceinline__ unsigned long long member_scan(unsigned long long v, int k, int tpm,
+                                                          unsigned long long* wsum, unsigned long long* memb) {
+  const unsigned long long ex = block_excl_scan(v, wsum);
+  if (threadIdx.x % tpm == 0) memb[k] = ex;
+  if (threadIdx.x == blockDim.x - 1) memb[blockDim.x / tpm] = ex + v;
+  __syncthreads();
+  return ex - memb[k];
+}
+
+// Largest aligned block holding member k whose members all selected the row (mask m).
+template <int G>
+__device__ __forceinline__ unsigned cascade_level(unsigned m, int k) {
+#pragma unroll
+  for (int L = G; L > 1; L /= 2) {
+    const unsigned full = (1u << L) - 1u;
+    if (((m >> ((k / L) * L)) & full) == full) return L;
+  }
+  return 1u;
+}
+
+// Which per-member counter a tile column uses (-1: the entry is not a column of this member):
+// level L >= merge: field log2(G / L) when k represents its block; below the merge level: field 3
+// when k is the block's lowest owner of the row (merge > 1 leaves at most 3 levels, fields 0..2).
+template <int G>
+__device__ __forceinline__ int column_field(unsigned lvl, unsigned m, int k, int M) {
+  if (lvl == 0u || lvl == 15u) return -1;
+  if (static_cast<int>(lvl) >= M) return (k % lvl == 0) ? ilog2(G) - ilog2(lvl) : -1;
+  const unsigned mb = (m >> ((k / M) * M)) & ((1u << M) - 1u);
+  return ((mb & (0u - mb)) == (1u << (k % M))) ? 3 : -1;
+}
+
+template <int G>
+__global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ unsigned long long wsum[32];
+  __shared__ unsigned long long memb[G + 1];
+  __shared__ int seg_off[kMaxSeg + 1], seg_n[kMaxSeg], seg_lvl[kMaxSeg], seg_bits[kMaxSeg];
+  __shared__ int mstart[G];
+  __shared__ int n_valid, n_seg;
+
+  const int S = 1 << p.log_slots;
+  unsigned* tbl = reinterpret_cast<unsigned*>(smem);
+  unsigned* flg = tbl + S;  // one byte a slot: the tile-aware clipping flags (level, block)
+  const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
+  const int k = tid / tpm, j0 = (tid - k * tpm) * kEpt;
+  const int g = blockIdx.x, q = g * G + k;
+  const int M = p.merge, T = p.tile;
+
+  for (int i = tid; i < S + S / 4; i += nt) tbl[i] = 0u;
+  if (tid == 0) n_valid = 0;
+  __syncthreads();
+
+  // 1. membership: every valid entry ORs its member bit into its row's slot
+  int lim = 0;
+  if (q < p.s_q) {
+    lim = p.topk;
+    if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
+  }
+  const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
+  unsigned slot[kEpt / 2];
+  int cnt = 0;
+#pragma unroll
+  for (int i = 0; i < kEpt; ++i) {
+    unsigned s = kNoSlot;
+    if (j0 + i < lim) {
+      const int row = __ldg(list + j0 + i);
+      if (row >= 0 && row < p.s_kv) {
+        s = insert(tbl, p.log_slots, row, k);
+        ++cnt;
+      }
+    }
+    if (i % 2 == 0) slot[i / 2] = s;
+    else slot[i / 2] |= s << 16;
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) cnt += __shfl_xor_sync(0xFFFFFFFFu, cnt, d);
+  if ((tid & 31) == 0 && cnt) atomicAdd(&n_valid, cnt);
+  __syncthreads();
+
+  // 2. cascade levels from the member masks
+  unsigned long long lv = 0ull;
+#pragma unroll
+  for (int i = 0; i < kEpt; ++i) {
+    const unsigned s = get_slot(slot, i);
+    if (s != kNoSlot) set_lvl(lv, i, cascade_level<G>(tbl[s] >> 24, k));
+  }
+
+  // 3. tile-aware clipping, top level first: a block's representative (its first member) pushes the
+  //    r lowest-ranked rows of its level-L segment down when r = n % T is below the threshold; the
+  //    other members learn which rows moved from the row's flag bit
+  int e = 0;
+  for (int L = G; L >= 2 && L >= M; L /= 2, ++e) {
+    unsigned c = 0;
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) c += get_lvl(lv, i) == static_cast<unsigned>(L);
+    const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, memb));
+    const int fb = (1 << e) - 1 + k / L;  // flag bit of (level, block)
+    if (k % L == 0) {
+      const unsigned n = static_cast<unsigned>(memb[k + 1] - memb[k]), r = n % T;
+      if (r > 0u && static_cast<float>(r) < p.thr) {
+        unsigned pos = pos0;
+#pragma unroll
+        for (int i = 0; i < kEpt; ++i) {
+          if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
+            if (pos >= n - r) {
+              const unsigned s = get_slot(slot, i);
+              atomicOr(flg + s / 4, 1u << (8 * (s % 4) + fb));
+            }
+            ++pos;
+          }
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {
+      if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
+        const unsigned s = get_slot(slot, i);
+        if ((flg[s / 4] >> (8 * (s % 4) + fb)) & 1u) set_lvl(lv, i, L / 2);
+      }
+    }
+  }
+
+  // 4. private rows: importance-aware clipping drops the lowest-ranked r; split lists the rest per query
+  if (p.iclip || p.split) {
+    unsigned pmask = 0u;
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {
+      const unsigned l = get_lvl(lv, i);
+      bool priv;
+      if (M == 1) {
+        priv = l == 1u;
+      } else {
+        const unsigned s = get_slot(slot, i);
+        const unsigned mb = s == kNoSlot ? 0u : ((tbl[s] >> 24) >> ((k / M) * M)) & ((1u << M) - 1u);
+        priv = l > 0u && l != 15u && static_cast<int>(l) < M && (mb & (mb - 1u)) == 0u;
+      }
+      pmask |= static_cast<unsigned>(priv) << i;
+    }
+    unsigned pos = static_cast<unsigned>(member_scan(__popc(pmask), k, tpm, wsum, memb));
+    const unsigned n = static_cast<unsigned>(memb[k + 1] - memb[k]), r = n % T;
+    const bool clip = p.iclip && r > 0u && static_cast<float>(r) < p.thr;
+    const unsigned keep_n = n - (clip ? r : 0u);
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {
+      if ((pmask >> i) & 1u) {
+        if (pos >= keep_n) {
+          set_lvl(lv, i, 0u);
+        } else if (p.split) {
+          p.priv_idx[static_cast<long long>(q) * p.topk + pos] = static_cast<int>((tbl[get_slot(slot, i)] & kRowMask) - 1u);
+          set_lvl(lv, i, 15u);  // in no tile
+        }
+        ++pos;
+      }
+    }
+    if (tid % tpm == 0 && q < p.s_q) {
+      if (p.iclip) p.dropped[q] = static_cast<int>(n - keep_n);
+      if (p.split) p.priv_n[q] = static_cast<int>(keep_n);
+    }
+  }
+
+  // 5. segments: columns counted per member and kind, then placed by prefix sums
+  unsigned long long c64 = 0ull;
+#pragma unroll
+  for (int i = 0; i < kEpt; ++i) {
+    const unsigned l = get_lvl(lv, i);
+    if (l == 0u || l == 15u) continue;
+    const unsigned m = static_cast<int>(l) >= M ? 0u : tbl[get_slot(slot, i)] >> 24;
+    const int f = column_field<G>(l, m, k, M);
+    if (f >= 0) c64 += 1ull << (16 * f);
+  }
+  const unsigned long long ex = member_scan(c64, k, tpm, wsum, memb);
+  if (tid == 0) {
+    int ns = 0, off = 0, rows = 0;
+    int lev = 0;
+    for (int L = G; L >= M; L /= 2, ++lev) {
+      for (int b = 0; b < G / L; ++b, ++ns) {
+        const int n = static_cast<int>(field(memb[b * L + 1] - memb[b * L], lev));
+        seg_n[ns] = n, seg_lvl[ns] = L, seg_bits[ns] = ((1 << L) - 1) << (b * L), seg_off[ns] = off;
+        off += (n + T - 1) / T;
+        rows += n;
+      }
+    }
+    if (M > 1) {
+      for (int b = 0; b < G / M; ++b, ++ns) {
+        int n = 0;
+        for (int j = 0; j < M; ++j) {
+          mstart[b * M + j] = n;
+          n += static_cast<int>(field(memb[b * M + j + 1] - memb[b * M + j], 3));
+        }
+        seg_n[ns] = n, seg_lvl[ns] = 0, seg_bits[ns] = ((1 << M) - 1) << (b * M), seg_off[ns] = off;
+        off += (n + T - 1) / T;
+        rows += n;
+      }
+    }
+    seg_off[ns] = off;
+    n_seg = ns;
+    p.group_tiles[g] = off;
+    p.group_rows[g] = rows;
+    p.group_valid[g] = n_valid;
+  }
+  __syncthreads();
+
+  const long long gbase = static_cast<long long>(g) * p.cap;
+  unsigned long long run = ex;  // this member's columns so far, per kind
+#pragma unroll
+  for (int i = 0; i < kEpt; ++i) {
+    const unsigned l = get_lvl(lv, i);
+    if (l == 0u || l == 15u) continue;
+    const unsigned w = tbl[get_slot(slot, i)];
+    const unsigned m = w >> 24;
+    const int f = column_field<G>(l, m, k, M);
+    if (f < 0) continue;
+    int sid, bits, pos = static_cast<int>(field(run, f));
+    run += 1ull << (16 * f);
+    if (static_cast<int>(l) >= M) {  // a level segment (field = its level index)
+      sid = (1 << f) - 1 + k / static_cast<int>(l);
+      bits = seg_bits[sid];
+    } else {
+      sid = 2 * G / M - 1 + k / M;
+      pos += mstart[k];
+      bits = static_cast<int>((m >> ((k / M) * M)) & ((1u << M) - 1u)) << ((k / M) * M);
+    }
+    const long long dst = (gbase + seg_off[sid] + pos / T) * T + pos % T;
+    p.tile_kv[dst] = static_cast<int>((w & kRowMask) - 1u);
+    p.tile_mask[dst] = bits;
+  }
+  // padding slots of each segment's last tile, and every tile's level / block
+  const int ns = n_seg;
+  for (int i = tid; i < ns * T; i += nt) {
+    const int s = i / T, pp = seg_n[s] + i % T;
+    if (pp < (seg_off[s + 1] - seg_off[s]) * T) {
+      const long long dst = (gbase + seg_off[s]) * T + pp;
+      p.tile_kv[dst] = -1;
+      p.tile_mask[dst] = 0;
+    }
+  }
+  for (int t = tid; t < p.cap; t += nt) {
+    int lvl = -1, bits = 0;
+    for (int s = 0; s < ns; ++s) {
+      if (t >= seg_off[s] && t < seg_off[s + 1]) lvl = seg_lvl[s], bits = seg_bits[s];
+    }
+    p.tile_level[gbase + t] = lvl;
+    p.tile_members[gbase + t] = bits;
+  }
+}
+
+template <int G>
+int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
+  auto kernel = plan_kernel<G>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  kernel<<<p.n_groups, threads, smem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace quilt_plan
+
+extern "C" {
+
+// threads = group_size * topk padded / 16 (a multiple of 32, <= 1024); smem = 5 bytes a table slot
+int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threads, int smem, void* stream) {
+  using namespace quilt_plan;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (threads < 32 || threads > kMaxThreads || threads % 32 || threads % group_size) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  switch (group_size) {
+    case 1: return launch<1>(*p, threads, smem, s);
+    case 2: return launch<2>(*p, threads, smem, s);
+    case 4: return launch<4>(*p, threads, smem, s);
+    case 8: return launch<8>(*p, threads, smem, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+int quilt_plan_params_size() { return static_cast<int>(sizeof(quilt_plan::PlanParams)); }
+
+}  // extern "C"

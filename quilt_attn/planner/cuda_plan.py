@@ -1,0 +1,34 @@
+"""CUDA planner: one CTA a query group, its membership table in shared memory (``ops/csrc/quilt_plan.cu``).
+
+The same plan as the torch and Triton planners. The membership table is the "bitmap" method's table
+(member bits by kv row), kept as a hash in shared memory instead of an ``s_kv``-long array in global
+memory; each list entry stays in one thread's registers from load to tile write.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import cuda_backend
+from .plan import plan_buffers
+
+
+def unsupported_reason(device: torch.device, G: int, topk: int, s_kv: int | None, method: str) -> str | None:
+    """Why the CUDA planner cannot plan here (None when it can)."""
+    reason = cuda_backend.unavailable_reason(device)
+    if reason:
+        return reason
+    if method != "bitmap":
+        return f"the CUDA planner computes member masks with its membership table (method='bitmap'), got {method!r}"
+    return cuda_backend.plan_unsupported_reason(G, topk, s_kv if s_kv is not None else 0)
+
+
+def plan_cuda(indices, s_kv, topk_length, G, M, T, thr, importance_clip, split_private=False):
+    """Run the planner kernel; returns the Plan's tensor fields and the valid-pair count."""
+    s_q, topk = indices.shape
+    if s_kv is None:  # only negatives are invalid: bound rows by the largest one
+        s_kv = int(indices.max().item()) + 1 if indices.numel() else 1
+    buf = plan_buffers(s_q, topk, G, M, T, split_private, indices.device)
+    lengths = None if topk_length is None else topk_length.contiguous()
+    cuda_backend.launch_plan(indices.contiguous(), lengths, s_kv, G, M, T, thr, importance_clip, split_private, buf)
+    group_valid = buf.pop("group_valid")
+    return buf, group_valid.sum(dtype=torch.int64)
