@@ -1,6 +1,8 @@
 """One CUDA-kernel launch to profile under Nsight Compute (glm53-like, bf16, s_kv 65536, topk 2048).
 
     ncu --set full --import-source no -k regex:quilt_sm90 -c 1 -o prof python benchmarks/profile_cuda.py --h 64
+    ncu --set full --import-source no -k regex:plan_kernel -c 1 -o prof python benchmarks/profile_cuda.py --plan
+      (the planner kernel at the plan settings of --h; without ncu it prints the kernel's and plan()'s times)
     python benchmarks/profile_cuda.py --summarize prof.ncu-rep   # hottest SASS lines by warp stall samples
 """
 import argparse
@@ -15,6 +17,9 @@ p.add_argument("--s-q", type=int, default=4096)
 p.add_argument("--skip", type=int, default=0, help="0 full, 1 no gather, 2 no matmul, 3 neither")
 p.add_argument("--summarize", default=None, help="an .ncu-rep file: print the stall summary instead")
 p.add_argument("--top", type=int, default=40)
+p.add_argument("--plan", action="store_true", help="the planner kernel instead of attention")
+p.add_argument("--regions", action="store_true",
+               help="with --summarize: totals between consecutive barriers (BAR) instead of the hottest lines")
 a = p.parse_args()
 
 if a.summarize:
@@ -32,6 +37,21 @@ if a.summarize:
     total = sum(float(r[key] or 0) for r in rows)
     base = int(rows[0]["Address"], 16)  # offsets match cuobjdump -sass of the same build
     print(f"{len(rows)} SASS lines, {total:.0f} stall samples")
+    if a.regions:  # a kernel's phases end at __syncthreads: instructions and stalls phase by phase
+        ikey = next((k for k in cols if k.startswith("Instructions Executed")), None)
+        itot = sum(float(r[ikey] or 0) for r in rows) if ikey else 0.0
+        start, inst, st = 0, 0.0, 0.0
+        for r in rows:
+            inst += float(r[ikey] or 0) if ikey else 0.0
+            st += float(r[key] or 0)
+            if "BAR" in r.get("Source", "") or r is rows[-1]:
+                off = int(r["Address"], 16) - base
+                print(f"{start:#07x}-{off:#07x}  instructions {inst / max(itot, 1):6.1%}  stalls {st / total:6.1%}  "
+                      f"ends with {r.get('Source', '')[:40]}")
+                start, inst, st = off, 0.0, 0.0
+        if not ikey:
+            print("no instruction counts; columns:", cols)
+        sys.exit()
     for r in sorted(rows, key=lambda r: -float(r[key] or 0))[:a.top]:
         top = sorted(((float(r[k] or 0), k) for k in reasons), reverse=True)[:2]
         why = " ".join(f"{k.replace('stall_', '')}={v / max(float(r[key] or 1), 1):.0%}" for v, k in top if v)
@@ -47,6 +67,21 @@ from quilt_attn.workloads import generate
 
 torch.manual_seed(0)
 idx = generate("glm53-like", a.s_q, 65536, 2048, seed=7, device="cuda")
+if a.plan:
+    import triton
+
+    from quilt_attn.planner.plan import plan_buffers, tile_capacity  # noqa: F401
+
+    M = program_shape(a.h, 8)[0]
+    buf = plan_buffers(a.s_q, 2048, 8, M, 64, False, idx.device)
+    run = lambda: cuda_backend.launch_plan(idx, None, 65536, 8, M, 64, 32.0, False, False, buf)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    t_kernel = triton.testing.do_bench(run, warmup=5, rep=40, return_mode="median")
+    t_plan = triton.testing.do_bench(lambda: make_plan(idx, s_kv=65536, merge_level=M, backend="cuda"), warmup=5,
+                                     rep=40, return_mode="median")
+    print(f"planner kernel {t_kernel:.3f} ms, plan() {t_plan:.3f} ms (s_q {a.s_q}, merge {M})")
+    sys.exit()
 q = torch.randn(a.s_q, a.h, 576, device="cuda", dtype=torch.bfloat16)
 kv = torch.randn(65536, 576, device="cuda", dtype=torch.bfloat16)
 qp = program_shape(a.h, 8)[0]

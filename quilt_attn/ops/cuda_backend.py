@@ -265,7 +265,9 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
     prm.iclip, prm.split, prm.log_slots, prm.thr = int(importance_clip), int(split_private), log_slots, float(thr)
     lib = _library()
     stream = torch.cuda.current_stream(indices.device).cuda_stream
-    err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, entries // 16, 5 << log_slots, ctypes.c_void_p(stream))
+    threads = entries // 16
+    err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, threads, (5 << log_slots) + 32 * threads,
+                                ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 

@@ -53,6 +53,12 @@ __device__ __forceinline__ unsigned field(unsigned long long x, int f) {
   return static_cast<unsigned>(x >> (16 * f)) & 0xFFFFu;
 }
 __device__ __forceinline__ int ilog2(unsigned x) { return 31 - __clz(x); }
+__host__ __device__ constexpr int ilog2_c(int x) { return x > 1 ? 1 + ilog2_c(x / 2) : 0; }
+
+__device__ __forceinline__ void load_slots(const uint4* src, unsigned (&s)[kEpt / 2]) {
+  const uint4 a = src[0], b = src[1];
+  s[0] = a.x, s[1] = a.y, s[2] = a.z, s[3] = a.w, s[4] = b.x, s[5] = b.y, s[6] = b.z, s[7] = b.w;
+}
 
 // The slot of ``row`` in the table, inserted with member bit ``k`` (linear probing; never full).
 __device__ __forceinline__ unsigned insert(unsigned* tbl, int log_slots, int row, int k) {
@@ -119,16 +125,29 @@ __device__ __forceinline__ unsigned cascade_level(unsigned m, int k) {
   return 1u;
 }
 
+// This thread's member k, and its place in its merge block of M members (all powers of two, so
+// per-entry work needs shifts, not divisions).
+struct Member {
+  int k, M;
+  int mshift;      // first bit of k's merge block in a member mask
+  unsigned mfull;  // the merge block's bits, shifted down
+  unsigned mlow;   // k's bit inside its merge block
+  __device__ Member(int k_, int M_) : k(k_), M(M_), mshift(k_ & ~(M_ - 1)), mfull((1u << M_) - 1u),
+                                      mlow(1u << (k_ & (M_ - 1))) {}
+  __device__ __forceinline__ unsigned merge_bits(unsigned m) const { return (m >> mshift) & mfull; }
+};
+
 // Which per-member counter a tile column uses (-1: the entry is not a column of this member):
 // level L >= merge: field log2(G / L) when k represents its block; below the merge level: field 3
 // when k is the block's lowest owner of the row (merge > 1 leaves at most 3 levels, fields 0..2).
 template <int G>
-__device__ __forceinline__ int column_field(unsigned lvl, unsigned m, int k, int M) {
+__device__ __forceinline__ int column_field(unsigned lvl, unsigned m, const Member& me) {
   if (lvl == 0u || lvl == 15u) return -1;
-  if (static_cast<int>(lvl) >= M) return (k % lvl == 0) ? ilog2(G) - ilog2(lvl) : -1;
-  const unsigned mb = (m >> ((k / M) * M)) & ((1u << M) - 1u);
-  return ((mb & (0u - mb)) == (1u << (k % M))) ? 3 : -1;
+  if (static_cast<int>(lvl) >= me.M) return (me.k & (lvl - 1u)) == 0u ? ilog2(G) - ilog2(lvl) : -1;
+  const unsigned mb = me.merge_bits(m);
+  return (mb & (0u - mb)) == me.mlow ? 3 : -1;
 }
+
 
 template <int G>
 __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
@@ -143,62 +162,84 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   unsigned* tbl = reinterpret_cast<unsigned*>(smem);
   unsigned* flg = tbl + S;  // one byte a slot: the tile-aware clipping flags (level, block)
   const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
+  // this thread's 16 slots (u16), kept in shared memory between phases to spare registers
+  uint4* my_slots = reinterpret_cast<uint4*>(flg + S / 4) + 2 * tid;
   const int k = tid / tpm, j0 = (tid - k * tpm) * kEpt;
   const int g = blockIdx.x, q = g * G + k;
   const int M = p.merge, T = p.tile;
+  const Member me(k, M);
 
-  for (int i = tid; i < S + S / 4; i += nt) tbl[i] = 0u;
+  {
+    uint4* z = reinterpret_cast<uint4*>(smem);
+    for (int i = tid; i < (S + S / 4) / 4; i += nt) z[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
   if (tid == 0) n_valid = 0;
   __syncthreads();
 
   // 1. membership: every valid entry ORs its member bit into its row's slot
-  int lim = 0;
-  if (q < p.s_q) {
-    lim = p.topk;
-    if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
-  }
-  const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
-  unsigned slot[kEpt / 2];
-  int cnt = 0;
+  unsigned long long lv = 0ull;  // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
+  {
+    int lim = 0;
+    if (q < p.s_q) {
+      lim = p.topk;
+      if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
+    }
+    const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
+    int rows[kEpt];  // all loads in flight before the first insert
+    if (j0 + kEpt <= lim && (reinterpret_cast<uintptr_t>(list + j0) & 15u) == 0u) {
 #pragma unroll
-  for (int i = 0; i < kEpt; ++i) {
-    unsigned s = kNoSlot;
-    if (j0 + i < lim) {
-      const int row = __ldg(list + j0 + i);
-      if (row >= 0 && row < p.s_kv) {
-        s = insert(tbl, p.log_slots, row, k);
+      for (int i = 0; i < kEpt; i += 4) {
+        const int4 v = __ldg(reinterpret_cast<const int4*>(list + j0 + i));
+        rows[i] = v.x, rows[i + 1] = v.y, rows[i + 2] = v.z, rows[i + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) rows[i] = j0 + i < lim ? __ldg(list + j0 + i) : -1;
+    }
+    unsigned slot[kEpt / 2];
+    int cnt = 0;
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {
+      unsigned s = kNoSlot;
+      if (rows[i] >= 0 && rows[i] < p.s_kv) {
+        s = insert(tbl, p.log_slots, rows[i], k);
         ++cnt;
       }
+      if (i % 2 == 0) slot[i / 2] = s;
+      else slot[i / 2] |= s << 16;
     }
-    if (i % 2 == 0) slot[i / 2] = s;
-    else slot[i / 2] |= s << 16;
-  }
+    my_slots[0] = make_uint4(slot[0], slot[1], slot[2], slot[3]);
+    my_slots[1] = make_uint4(slot[4], slot[5], slot[6], slot[7]);
 #pragma unroll
-  for (int d = 16; d > 0; d /= 2) cnt += __shfl_xor_sync(0xFFFFFFFFu, cnt, d);
-  if ((tid & 31) == 0 && cnt) atomicAdd(&n_valid, cnt);
-  __syncthreads();
+    for (int d = 16; d > 0; d /= 2) cnt += __shfl_xor_sync(0xFFFFFFFFu, cnt, d);
+    if ((tid & 31) == 0 && cnt) atomicAdd(&n_valid, cnt);
+    __syncthreads();
 
-  // 2. cascade levels from the member masks
-  unsigned long long lv = 0ull;
+    // 2. cascade levels from the member masks
 #pragma unroll
-  for (int i = 0; i < kEpt; ++i) {
-    const unsigned s = get_slot(slot, i);
-    if (s != kNoSlot) set_lvl(lv, i, cascade_level<G>(tbl[s] >> 24, k));
+    for (int i = 0; i < kEpt; ++i) {
+      const unsigned s = get_slot(slot, i);
+      if (s != kNoSlot) set_lvl(lv, i, cascade_level<G>(tbl[s] >> 24, k));
+    }
   }
 
   // 3. tile-aware clipping, top level first: a block's representative (its first member) pushes the
   //    r lowest-ranked rows of its level-L segment down when r = n % T is below the threshold; the
   //    other members learn which rows moved from the row's flag bit
   int e = 0;
+#pragma unroll 1
   for (int L = G; L >= 2 && L >= M; L /= 2, ++e) {
     unsigned c = 0;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) c += get_lvl(lv, i) == static_cast<unsigned>(L);
     const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, memb));
-    const int fb = (1 << e) - 1 + k / L;  // flag bit of (level, block)
-    if (k % L == 0) {
-      const unsigned n = static_cast<unsigned>(memb[k + 1] - memb[k]), r = n % T;
-      if (r > 0u && static_cast<float>(r) < p.thr) {
+    const int fb = (1 << e) - 1 + (k >> ilog2(L));  // flag bit of (level, block)
+    const unsigned n = static_cast<unsigned>(memb[k + 1] - memb[k]), r = n % T;
+    const bool push = (k & (L - 1)) == 0 && r > 0u && static_cast<float>(r) < p.thr;
+    if (__syncthreads_or(push)) {
+      unsigned slot[kEpt / 2];
+      load_slots(my_slots, slot);
+      if (push) {
         unsigned pos = pos0;
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) {
@@ -211,19 +252,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
           }
         }
       }
-    }
-    __syncthreads();
+      __syncthreads();
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
-        const unsigned s = get_slot(slot, i);
-        if ((flg[s / 4] >> (8 * (s % 4) + fb)) & 1u) set_lvl(lv, i, L / 2);
+      for (int i = 0; i < kEpt; ++i) {
+        if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
+          const unsigned s = get_slot(slot, i);
+          if ((flg[s / 4] >> (8 * (s % 4) + fb)) & 1u) set_lvl(lv, i, L / 2);
+        }
       }
     }
   }
 
   // 4. private rows: importance-aware clipping drops the lowest-ranked r; split lists the rest per query
   if (p.iclip || p.split) {
+    unsigned slot[kEpt / 2];
+    load_slots(my_slots, slot);
     unsigned pmask = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
@@ -233,8 +276,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
         priv = l == 1u;
       } else {
         const unsigned s = get_slot(slot, i);
-        const unsigned mb = s == kNoSlot ? 0u : ((tbl[s] >> 24) >> ((k / M) * M)) & ((1u << M) - 1u);
-        priv = l > 0u && l != 15u && static_cast<int>(l) < M && (mb & (mb - 1u)) == 0u;
+        const unsigned mb = s == kNoSlot ? 0u : me.merge_bits(tbl[s] >> 24);
+        priv = l > 0u && static_cast<int>(l) < M && (mb & (mb - 1u)) == 0u;
       }
       pmask |= static_cast<unsigned>(priv) << i;
     }
@@ -261,22 +304,25 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   }
 
   // 5. segments: columns counted per member and kind, then placed by prefix sums
+  unsigned slot[kEpt / 2];
+  load_slots(my_slots, slot);
   unsigned long long c64 = 0ull;
 #pragma unroll
   for (int i = 0; i < kEpt; ++i) {
     const unsigned l = get_lvl(lv, i);
-    if (l == 0u || l == 15u) continue;
-    const unsigned m = static_cast<int>(l) >= M ? 0u : tbl[get_slot(slot, i)] >> 24;
-    const int f = column_field<G>(l, m, k, M);
+    const unsigned m = (l == 0u || l == 15u || static_cast<int>(l) >= M) ? 0u : tbl[get_slot(slot, i)] >> 24;
+    const int f = column_field<G>(l, m, me);
     if (f >= 0) c64 += 1ull << (16 * f);
   }
   const unsigned long long ex = member_scan(c64, k, tpm, wsum, memb);
+  constexpr int kLevels = ilog2_c(G) + 1;
+  const int n_lev = ilog2(G) - ilog2(M) + 1;  // level fields 0 .. n_lev - 1; merged: field 3
   if (tid == 0) {
     int ns = 0, off = 0, rows = 0;
-    int lev = 0;
-    for (int L = G; L >= M; L /= 2, ++lev) {
+    for (int f = 0; f < n_lev; ++f) {
+      const int L = G >> f;
       for (int b = 0; b < G / L; ++b, ++ns) {
-        const int n = static_cast<int>(field(memb[b * L + 1] - memb[b * L], lev));
+        const int n = static_cast<int>(field(memb[b * L + 1] - memb[b * L], f));
         seg_n[ns] = n, seg_lvl[ns] = L, seg_bits[ns] = ((1 << L) - 1) << (b * L), seg_off[ns] = off;
         off += (n + T - 1) / T;
         rows += n;
@@ -302,38 +348,53 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   }
   __syncthreads();
 
+  // A segment's tiles are contiguous, so its column pos lands at slot (segment's first tile) * T + pos.
   const long long gbase = static_cast<long long>(g) * p.cap;
-  unsigned long long run = ex;  // this member's columns so far, per kind
+  long long dst[4];  // next slot of this thread's columns, per kind
+  int fbits[4];
+  const unsigned long long mine = ex - memb[k];
+#pragma unroll
+  for (int f = 0; f < 4; ++f) {
+    int sid = -1, extra = 0;
+    if (f < n_lev && f < kLevels) {
+      if ((k & ((G >> f) - 1)) == 0) sid = (1 << f) - 1 + (k >> (ilog2_c(G) - f));
+    } else if (f == 3 && M > 1) {
+      sid = 2 * G / M - 1 + (k >> ilog2(M));
+      extra = mstart[k];
+    }
+    dst[f] = sid < 0 ? 0 : (gbase + seg_off[sid]) * T + field(mine, f) + extra;
+    fbits[f] = sid < 0 ? 0 : seg_bits[sid];
+  }
 #pragma unroll
   for (int i = 0; i < kEpt; ++i) {
     const unsigned l = get_lvl(lv, i);
     if (l == 0u || l == 15u) continue;
     const unsigned w = tbl[get_slot(slot, i)];
     const unsigned m = w >> 24;
-    const int f = column_field<G>(l, m, k, M);
+    const int f = column_field<G>(l, m, me);
     if (f < 0) continue;
-    int sid, bits, pos = static_cast<int>(field(run, f));
-    run += 1ull << (16 * f);
-    if (static_cast<int>(l) >= M) {  // a level segment (field = its level index)
-      sid = (1 << f) - 1 + k / static_cast<int>(l);
-      bits = seg_bits[sid];
-    } else {
-      sid = 2 * G / M - 1 + k / M;
-      pos += mstart[k];
-      bits = static_cast<int>((m >> ((k / M) * M)) & ((1u << M) - 1u)) << ((k / M) * M);
+    long long d = dst[0];
+    int bits = fbits[0];
+#pragma unroll
+    for (int ff = 1; ff < 4; ++ff) {
+      if (f == ff) d = dst[ff], bits = fbits[ff];
     }
-    const long long dst = (gbase + seg_off[sid] + pos / T) * T + pos % T;
-    p.tile_kv[dst] = static_cast<int>((w & kRowMask) - 1u);
-    p.tile_mask[dst] = bits;
+#pragma unroll
+    for (int ff = 0; ff < 4; ++ff) {
+      if (f == ff) ++dst[ff];
+    }
+    if (static_cast<int>(l) < M) bits = static_cast<int>(me.merge_bits(m) << me.mshift);
+    p.tile_kv[d] = static_cast<int>((w & kRowMask) - 1u);
+    p.tile_mask[d] = bits;
   }
   // padding slots of each segment's last tile, and every tile's level / block
   const int ns = n_seg;
   for (int i = tid; i < ns * T; i += nt) {
     const int s = i / T, pp = seg_n[s] + i % T;
     if (pp < (seg_off[s + 1] - seg_off[s]) * T) {
-      const long long dst = (gbase + seg_off[s]) * T + pp;
-      p.tile_kv[dst] = -1;
-      p.tile_mask[dst] = 0;
+      const long long d = (gbase + seg_off[s]) * T + pp;
+      p.tile_kv[d] = -1;
+      p.tile_mask[d] = 0;
     }
   }
   for (int t = tid; t < p.cap; t += nt) {
@@ -359,7 +420,8 @@ int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
 
 extern "C" {
 
-// threads = group_size * topk padded / 16 (a multiple of 32, <= 1024); smem = 5 bytes a table slot
+// threads = group_size * topk padded / 16 (a multiple of 32, <= 1024);
+// smem = 5 bytes a table slot (row word + flag byte) + 32 bytes a thread (its 16 slot numbers)
 int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threads, int smem, void* stream) {
   using namespace quilt_plan;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
