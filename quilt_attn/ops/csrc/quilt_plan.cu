@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     const int f = column_field<G>(l, m, me);
     if (f >= 0) c64 += 1ull << (16 * f);
   }
-  const unsigned long long ex = member_scan(c64, k, tpm, wsum, memb);
+  const unsigned long long mine = member_scan(c64, k, tpm, wsum, memb);  // this member's columns before mine
   constexpr int kLevels = ilog2_c(G) + 1;
   const int n_lev = ilog2(G) - ilog2(M) + 1;  // level fields 0 .. n_lev - 1; merged: field 3
   if (tid == 0) {
@@ -352,7 +352,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   const long long gbase = static_cast<long long>(g) * p.cap;
   long long dst[4];  // next slot of this thread's columns, per kind
   int fbits[4];
-  const unsigned long long mine = ex - memb[k];
 #pragma unroll
   for (int f = 0; f < 4; ++f) {
     int sid = -1, extra = 0;
