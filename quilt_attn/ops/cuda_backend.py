@@ -52,7 +52,7 @@ class _PlanParams(ctypes.Structure):
                                                 "priv_idx", "priv_n")]
     _fields_ += [("stride_idx", ctypes.c_longlong)]
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "topk", "n_groups", "cap", "tile", "merge", "iclip",
-                                             "split", "log_slots")]
+                                             "split", "log_flags")]
     _fields_ += [("thr", ctypes.c_float)]
 
 
@@ -219,9 +219,9 @@ def _ptr(t) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-# The planner kernel's scope (csrc/quilt_plan.cu): member bits in one byte, a group's entries at most
-# half the shared-memory table (32768 slots of 5 bytes), kv rows that fit 24 bits next to them.
-PLAN_MAX_GROUP, PLAN_MAX_ENTRIES, PLAN_MAX_S_KV = 8, 16384, (1 << 24) - 2
+# The planner kernel's scope (csrc/quilt_plan.cu): member bits in one byte, 16 list entries a thread in
+# one CTA, and its shared memory: the entries' rows, the pushed-row set and a byte a kv row.
+PLAN_MAX_GROUP, PLAN_MAX_ENTRIES, PLAN_SMEM_BYTES = 8, 16384, 232448 - 1024  # the kernel's static arrays: < 1 KB
 
 
 def plan_list_pad(group_size: int, topk: int) -> int:
@@ -230,14 +230,24 @@ def plan_list_pad(group_size: int, topk: int) -> int:
     return -(-topk // step) * step
 
 
-def plan_unsupported_reason(group_size: int, topk: int, s_kv: int) -> str | None:
+def plan_launch_shape(group_size: int, topk: int, s_kv: int, tile: int) -> tuple[int, int, int]:
+    """(threads, log2 of the pushed-row set's slots, dynamic shared memory bytes) of a planner launch."""
+    threads = group_size * plan_list_pad(group_size, topk) // 16
+    pushed = max(1, (group_size - 1) * tile)  # at most tile - 1 rows a (level, block), G - 1 of them
+    log_flags = max(6, (2 * pushed - 1).bit_length())
+    return threads, log_flags, 64 * threads + (8 << log_flags) + -(-s_kv // 16) * 16
+
+
+def plan_unsupported_reason(group_size: int, topk: int, s_kv: int, tile: int) -> str | None:
     """Why the CUDA planner cannot plan this shape (None when it can)."""
     if group_size > PLAN_MAX_GROUP:
         return f"the CUDA planner runs group sizes up to {PLAN_MAX_GROUP}, got {group_size}"
     if topk < 1 or group_size * plan_list_pad(group_size, topk) > PLAN_MAX_ENTRIES:
         return f"the CUDA planner holds up to {PLAN_MAX_ENTRIES} entries a group, got group_size x topk {group_size} x {topk}"
-    if s_kv > PLAN_MAX_S_KV:
-        return f"the CUDA planner indexes kv rows below {PLAN_MAX_S_KV + 1}, got s_kv {s_kv}"
+    smem = plan_launch_shape(group_size, topk, s_kv, tile)[2]
+    if smem > PLAN_SMEM_BYTES:
+        return (f"the CUDA planner's shared memory ({smem} bytes for s_kv {s_kv}, topk {topk}, tile {tile}) exceeds "
+                f"{PLAN_SMEM_BYTES}: its member table takes a byte a kv row")
     return None
 
 
@@ -246,14 +256,13 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
     """Run the planner kernel over ``indices [s_q, topk]`` (contiguous int32) into the tensors of ``out``
     (``planner.cuda_plan`` allocates them); one CTA a group, no host sync."""
     s_q, topk = indices.shape
-    reason = plan_unsupported_reason(group_size, topk, s_kv)
+    reason = plan_unsupported_reason(group_size, topk, s_kv, tile)
     if reason:
         raise ValueError(reason)
     n_groups = out["group_tiles"].shape[0]
     if n_groups == 0:
         return
-    entries = group_size * plan_list_pad(group_size, topk)
-    log_slots = max(6, (2 * entries - 1).bit_length())
+    threads, log_flags, smem = plan_launch_shape(group_size, topk, s_kv, tile)
     prm = _PlanParams()
     prm.indices, prm.topk_length = indices.data_ptr(), _ptr(topk_length)
     for name in ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "group_valid",
@@ -262,12 +271,10 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
     prm.stride_idx = indices.stride(0)
     prm.s_q, prm.s_kv, prm.topk, prm.n_groups = s_q, s_kv, topk, n_groups
     prm.cap, prm.tile, prm.merge = out["tile_kv"].shape[1], tile, merge_level
-    prm.iclip, prm.split, prm.log_slots, prm.thr = int(importance_clip), int(split_private), log_slots, float(thr)
+    prm.iclip, prm.split, prm.log_flags, prm.thr = int(importance_clip), int(split_private), log_flags, float(thr)
     lib = _library()
     stream = torch.cuda.current_stream(indices.device).cuda_stream
-    threads = entries // 16
-    err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, threads, (5 << log_slots) + 32 * threads,
-                                ctypes.c_void_p(stream))
+    err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, threads, smem, ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 

@@ -1,8 +1,9 @@
 """CUDA planner: one CTA a query group, its membership table in shared memory (``ops/csrc/quilt_plan.cu``).
 
 The same plan as the torch and Triton planners. The membership table is the "bitmap" method's table
-(member bits by kv row), kept as a hash in shared memory instead of an ``s_kv``-long array in global
-memory; each list entry stays in one thread's registers from load to tile write.
+(member bits by kv row), a byte a kv row in shared memory instead of an ``s_kv``-long int32 array in
+global memory; so the context it plans is bounded (about 150K rows), and a longer one runs the Triton
+planner under ``backend="auto"``.
 """
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from ..ops import cuda_backend
 from .plan import plan_buffers
 
 
-def unsupported_reason(device: torch.device, G: int, topk: int, s_kv: int | None, method: str) -> str | None:
-    """Why the CUDA planner cannot plan here (None when it can)."""
+def unsupported_reason(device: torch.device, G: int, topk: int, s_kv: int | None, tile: int,
+                       method: str) -> str | None:
+    """Why the CUDA planner cannot plan here (None when it can; ``s_kv`` None: checked at launch)."""
     reason = cuda_backend.unavailable_reason(device)
     if reason:
         return reason
     if method != "bitmap":
         return f"the CUDA planner computes member masks with its membership table (method='bitmap'), got {method!r}"
-    return cuda_backend.plan_unsupported_reason(G, topk, s_kv if s_kv is not None else 0)
+    return cuda_backend.plan_unsupported_reason(G, topk, s_kv if s_kv is not None else 1, tile)
 
 
 def plan_cuda(indices, s_kv, topk_length, G, M, T, thr, importance_clip, split_private=False):

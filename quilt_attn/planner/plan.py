@@ -317,14 +317,14 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private)
 
 def _planner_backend(device: torch.device, backend: str, tile: int, G: int, topk: int, s_kv: int | None,
                      method: str) -> str:
-    """The planner that runs: ``backend`` checked, or for ``"auto"`` the CUDA planner where it can run,
-    else Triton on a GPU (power-of-two tiles), else torch."""
+    """The planner that runs: ``backend`` checked, or for ``"auto"`` the CUDA planner where it can run
+    (``s_kv`` given), else Triton on a GPU (power-of-two tiles), else torch."""
     if backend == "torch":
         return "torch"
     if backend == "cuda":
         from .cuda_plan import unsupported_reason
 
-        reason = unsupported_reason(device, G, topk, s_kv, method)
+        reason = unsupported_reason(device, G, topk, s_kv, tile, method)
         if reason:
             raise ValueError(f"backend='cuda': {reason}; use backend='triton' or 'torch'")
         return "cuda"
@@ -339,8 +339,8 @@ def _planner_backend(device: torch.device, backend: str, tile: int, G: int, topk
         return "torch"
     from .cuda_plan import unsupported_reason
 
-    if unsupported_reason(device, G, topk, s_kv, method) is None:
-        return "cuda"
+    if s_kv is not None and unsupported_reason(device, G, topk, s_kv, tile, method) is None:
+        return "cuda"  # (without s_kv the table's size is known only after a host sync: Triton)
     return "triton" if not tile & (tile - 1) else "torch"  # other tiles: the torch planner
 
 
@@ -383,8 +383,8 @@ def plan(
         (``Plan.priv_idx``); the kernel runs them in 16-row query programs, where a 64-row tile
         would compute mostly masked rows. Also the graceful fallback when nothing is shared.
     method : member masks by ``"bitmap"`` (membership table) or ``"sort"`` (SCSD); same plan.
-    backend : ``"cuda"`` (Hopper kernel, group sizes <= 8, ``group_size * topk <= 16384``, method
-        ``"bitmap"``), ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"``: CUDA where it can run,
+    backend : ``"cuda"`` (Hopper kernel, group sizes <= 8, ``group_size * topk <= 16384``, contexts up to
+        about 150K rows, method ``"bitmap"``), ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"``: CUDA where it can run,
         else Triton on a GPU, else torch.
     """
     indices = canonical_indices(indices)

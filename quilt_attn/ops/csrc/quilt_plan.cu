@@ -1,15 +1,16 @@
 // QUILT planner on the GPU: one CTA a query group, its membership table in shared memory.
 //
 // The same plan as planner/plan.py (torch) and planner/triton_plan.py, computed in one pass over
-// the indices: each list entry is held by one thread (16 consecutive entries of one member's list a
-// thread) from load to tile write, the group's membership table is an open-addressing hash in shared
-// memory keyed by kv row (word = row + 1 in bits 0..23, member bits 24..31), and every ordering
-// question (the tail of a segment, a column's place in its tile) is a block-wide prefix sum.
-// Triton has no indexed shared memory, so its planner keeps this table in global memory (L2); here a
-// table access is a shared-memory access.
+// the indices: each thread holds 16 consecutive entries of one member's list from load to tile write,
+// and every ordering question (the tail of a segment, a column's place in its tile) is a block-wide
+// prefix sum. The group's membership table is a byte a kv row in shared memory (member bits), so an
+// insert is one shared-memory OR and a lookup one byte load; Triton has no indexed shared memory, so
+// its planner keeps this table in global memory (L2). The rows that tile-aware clipping pushes down
+// (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level, block).
 //
-// Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384 (table half full at
-// most), kv rows < 2^24 - 1. Anything else runs the Triton planner.
+// Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384, and a context whose
+// table fits next to the group's entries (s_kv up to about 150K rows). Anything else runs the Triton
+// planner.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -30,19 +31,15 @@ struct PlanParams {
   int* priv_idx;           // [s_q, topk], kept private rows written with split (the rest left as set)
   int* priv_n;             // [s_q], written with split
   long long stride_idx;
-  int s_q, s_kv, topk, n_groups, cap, tile, merge, iclip, split, log_slots;
+  int s_q, s_kv, topk, n_groups, cap, tile, merge, iclip, split;
+  int log_flags;           // log2(slots of the pushed-row set)
   float thr;               // clip_threshold * tile
 };
 
 constexpr int kEpt = 16;          // list entries a thread
 constexpr int kMaxThreads = 1024;
-constexpr unsigned kNoSlot = 0xFFFFu;
-constexpr unsigned kRowMask = 0xFFFFFFu;
 constexpr int kMaxSeg = 16;       // segments a group: 2G - 1 levels (+ G / M merged blocks), G <= 8
 
-__device__ __forceinline__ unsigned get_slot(const unsigned (&s)[kEpt / 2], int i) {
-  return (s[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
-}
 __device__ __forceinline__ unsigned get_lvl(unsigned long long lv, int i) {
   return static_cast<unsigned>(lv >> (4 * i)) & 0xFu;
 }
@@ -55,27 +52,36 @@ __device__ __forceinline__ unsigned field(unsigned long long x, int f) {
 __device__ __forceinline__ int ilog2(unsigned x) { return 31 - __clz(x); }
 __host__ __device__ constexpr int ilog2_c(int x) { return x > 1 ? 1 + ilog2_c(x / 2) : 0; }
 
-__device__ __forceinline__ void load_slots(const uint4* src, unsigned (&s)[kEpt / 2]) {
-  const uint4 a = src[0], b = src[1];
-  s[0] = a.x, s[1] = a.y, s[2] = a.z, s[3] = a.w, s[4] = b.x, s[5] = b.y, s[6] = b.z, s[7] = b.w;
+// this thread's 16 kv rows (-1: invalid entry), kept in shared memory between phases
+__device__ __forceinline__ void load_rows(const int4* src, int (&r)[kEpt]) {
+#pragma unroll
+  for (int i = 0; i < kEpt / 4; ++i) {
+    const int4 v = src[i];
+    r[4 * i] = v.x, r[4 * i + 1] = v.y, r[4 * i + 2] = v.z, r[4 * i + 3] = v.w;
+  }
 }
+__device__ __forceinline__ unsigned mask_of(const unsigned char* tab, int row) { return tab[row]; }
 
-// The slot of ``row`` in the table, inserted with member bit ``k`` (linear probing; never full).
-__device__ __forceinline__ unsigned insert(unsigned* tbl, int log_slots, int row, int k) {
-  const unsigned key = static_cast<unsigned>(row) + 1u, bit = 1u << (24 + k);
-  const unsigned wrap = (1u << log_slots) - 1u;
-  unsigned h = (static_cast<unsigned>(row) * 2654435769u) >> (32 - log_slots);
-  while (true) {
-    unsigned w = *(reinterpret_cast<volatile unsigned*>(tbl) + h);
-    if (w == 0u) {
-      w = atomicCAS(tbl + h, 0u, key | bit);
-      if (w == 0u) return h;
+// The pushed-row set: open addressing over (row + 1) keys, a flag word per key.
+__device__ __forceinline__ unsigned flag_hash(int row, int log_flags) {
+  return (static_cast<unsigned>(row) * 2654435769u) >> (32 - log_flags);
+}
+__device__ __forceinline__ void flag_set(unsigned* keys, unsigned* vals, int log_flags, int row, unsigned bit) {
+  const unsigned key = static_cast<unsigned>(row) + 1u, wrap = (1u << log_flags) - 1u;
+  for (unsigned h = flag_hash(row, log_flags);; h = (h + 1u) & wrap) {
+    const unsigned w = atomicCAS(keys + h, 0u, key);
+    if (w == 0u || w == key) {
+      atomicOr(vals + h, bit);
+      return;
     }
-    if ((w & kRowMask) == key) {
-      atomicOr(tbl + h, bit);
-      return h;
-    }
-    h = (h + 1u) & wrap;
+  }
+}
+__device__ __forceinline__ unsigned flag_get(const unsigned* keys, const unsigned* vals, int log_flags, int row) {
+  const unsigned key = static_cast<unsigned>(row) + 1u, wrap = (1u << log_flags) - 1u;
+  for (unsigned h = flag_hash(row, log_flags);; h = (h + 1u) & wrap) {
+    const unsigned w = keys[h];
+    if (w == key) return vals[h];
+    if (w == 0u) return 0u;
   }
 }
 
@@ -158,25 +164,26 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   __shared__ int mstart[G];
   __shared__ int n_valid, n_seg;
 
-  const int S = 1 << p.log_slots;
-  unsigned* tbl = reinterpret_cast<unsigned*>(smem);
-  unsigned* flg = tbl + S;  // one byte a slot: the tile-aware clipping flags (level, block)
+  // shared memory: [entries' rows, int, 16 a thread] [flag keys] [flag words] [member bits, a byte a kv row]
   const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
-  // this thread's 16 slots (u16), kept in shared memory between phases to spare registers
-  uint4* my_slots = reinterpret_cast<uint4*>(flg + S / 4) + 2 * tid;
+  int4* my_rows = reinterpret_cast<int4*>(smem) + (kEpt / 4) * tid;
+  unsigned* fkeys = reinterpret_cast<unsigned*>(smem + kEpt * 4 * nt);
+  unsigned* fvals = fkeys + (1 << p.log_flags);
+  unsigned char* tab = reinterpret_cast<unsigned char*>(fvals + (1 << p.log_flags));
   const int k = tid / tpm, j0 = (tid - k * tpm) * kEpt;
   const int g = blockIdx.x, q = g * G + k;
   const int M = p.merge, T = p.tile;
   const Member me(k, M);
 
-  {
-    uint4* z = reinterpret_cast<uint4*>(smem);
-    for (int i = tid; i < (S + S / 4) / 4; i += nt) z[i] = make_uint4(0u, 0u, 0u, 0u);
+  {  // clear the flag set and the member table (16-byte stores)
+    const int n16 = ((8 << p.log_flags) + p.s_kv + 15) / 16;
+    uint4* z = reinterpret_cast<uint4*>(fkeys);
+    for (int i = tid; i < n16; i += nt) z[i] = make_uint4(0u, 0u, 0u, 0u);
   }
   if (tid == 0) n_valid = 0;
   __syncthreads();
 
-  // 1. membership: every valid entry ORs its member bit into its row's slot
+  // 1. membership: every valid entry ORs its member bit into its row's byte
   unsigned long long lv = 0ull;  // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
   {
     int lim = 0;
@@ -185,7 +192,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
     }
     const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
-    int rows[kEpt];  // all loads in flight before the first insert
+    int rows[kEpt];
     if (j0 + kEpt <= lim && (reinterpret_cast<uintptr_t>(list + j0) & 15u) == 0u) {
 #pragma unroll
       for (int i = 0; i < kEpt; i += 4) {
@@ -196,20 +203,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) rows[i] = j0 + i < lim ? __ldg(list + j0 + i) : -1;
     }
-    unsigned slot[kEpt / 2];
     int cnt = 0;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
-      unsigned s = kNoSlot;
       if (rows[i] >= 0 && rows[i] < p.s_kv) {
-        s = insert(tbl, p.log_slots, rows[i], k);
+        atomicOr(reinterpret_cast<unsigned*>(tab) + (rows[i] >> 2), 1u << (8 * (rows[i] & 3) + k));
         ++cnt;
+      } else {
+        rows[i] = -1;
       }
-      if (i % 2 == 0) slot[i / 2] = s;
-      else slot[i / 2] |= s << 16;
     }
-    my_slots[0] = make_uint4(slot[0], slot[1], slot[2], slot[3]);
-    my_slots[1] = make_uint4(slot[4], slot[5], slot[6], slot[7]);
+#pragma unroll
+    for (int i = 0; i < kEpt / 4; ++i) my_rows[i] = make_int4(rows[4 * i], rows[4 * i + 1], rows[4 * i + 2], rows[4 * i + 3]);
 #pragma unroll
     for (int d = 16; d > 0; d /= 2) cnt += __shfl_xor_sync(0xFFFFFFFFu, cnt, d);
     if ((tid & 31) == 0 && cnt) atomicAdd(&n_valid, cnt);
@@ -218,14 +223,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     // 2. cascade levels from the member masks
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
-      const unsigned s = get_slot(slot, i);
-      if (s != kNoSlot) set_lvl(lv, i, cascade_level<G>(tbl[s] >> 24, k));
+      if (rows[i] >= 0) set_lvl(lv, i, cascade_level<G>(mask_of(tab, rows[i]), k));
     }
   }
 
   // 3. tile-aware clipping, top level first: a block's representative (its first member) pushes the
   //    r lowest-ranked rows of its level-L segment down when r = n % T is below the threshold; the
-  //    other members learn which rows moved from the row's flag bit
+  //    other members learn which rows moved from the pushed-row set
   int e = 0;
 #pragma unroll 1
   for (int L = G; L >= 2 && L >= M; L /= 2, ++e) {
@@ -233,21 +237,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) c += get_lvl(lv, i) == static_cast<unsigned>(L);
     const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, memb));
-    const int fb = (1 << e) - 1 + (k >> ilog2(L));  // flag bit of (level, block)
+    const unsigned fbit = 1u << ((1 << e) - 1 + (k >> ilog2(L)));  // flag of (level, block)
     const unsigned n = static_cast<unsigned>(memb[k + 1] - memb[k]), r = n % T;
     const bool push = (k & (L - 1)) == 0 && r > 0u && static_cast<float>(r) < p.thr;
     if (__syncthreads_or(push)) {
-      unsigned slot[kEpt / 2];
-      load_slots(my_slots, slot);
+      int rows[kEpt];
+      load_rows(my_rows, rows);
       if (push) {
         unsigned pos = pos0;
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) {
           if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
-            if (pos >= n - r) {
-              const unsigned s = get_slot(slot, i);
-              atomicOr(flg + s / 4, 1u << (8 * (s % 4) + fb));
-            }
+            if (pos >= n - r) flag_set(fkeys, fvals, p.log_flags, rows[i], fbit);
             ++pos;
           }
         }
@@ -255,18 +256,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) {
-        if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
-          const unsigned s = get_slot(slot, i);
-          if ((flg[s / 4] >> (8 * (s % 4) + fb)) & 1u) set_lvl(lv, i, L / 2);
+        if (get_lvl(lv, i) == static_cast<unsigned>(L) && (flag_get(fkeys, fvals, p.log_flags, rows[i]) & fbit)) {
+          set_lvl(lv, i, L / 2);
         }
       }
     }
   }
 
+  int rows[kEpt];
+  load_rows(my_rows, rows);
   // 4. private rows: importance-aware clipping drops the lowest-ranked r; split lists the rest per query
   if (p.iclip || p.split) {
-    unsigned slot[kEpt / 2];
-    load_slots(my_slots, slot);
     unsigned pmask = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
@@ -275,8 +275,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       if (M == 1) {
         priv = l == 1u;
       } else {
-        const unsigned s = get_slot(slot, i);
-        const unsigned mb = s == kNoSlot ? 0u : me.merge_bits(tbl[s] >> 24);
+        const unsigned mb = rows[i] < 0 ? 0u : me.merge_bits(mask_of(tab, rows[i]));
         priv = l > 0u && static_cast<int>(l) < M && (mb & (mb - 1u)) == 0u;
       }
       pmask |= static_cast<unsigned>(priv) << i;
@@ -291,7 +290,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
         if (pos >= keep_n) {
           set_lvl(lv, i, 0u);
         } else if (p.split) {
-          p.priv_idx[static_cast<long long>(q) * p.topk + pos] = static_cast<int>((tbl[get_slot(slot, i)] & kRowMask) - 1u);
+          p.priv_idx[static_cast<long long>(q) * p.topk + pos] = rows[i];
           set_lvl(lv, i, 15u);  // in no tile
         }
         ++pos;
@@ -304,13 +303,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   }
 
   // 5. segments: columns counted per member and kind, then placed by prefix sums
-  unsigned slot[kEpt / 2];
-  load_slots(my_slots, slot);
   unsigned long long c64 = 0ull;
 #pragma unroll
   for (int i = 0; i < kEpt; ++i) {
     const unsigned l = get_lvl(lv, i);
-    const unsigned m = (l == 0u || l == 15u || static_cast<int>(l) >= M) ? 0u : tbl[get_slot(slot, i)] >> 24;
+    const unsigned m = (l == 0u || l == 15u || static_cast<int>(l) >= M) ? 0u : mask_of(tab, rows[i]);
     const int f = column_field<G>(l, m, me);
     if (f >= 0) c64 += 1ull << (16 * f);
   }
@@ -350,6 +347,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
   // A segment's tiles are contiguous, so its column pos lands at slot (segment's first tile) * T + pos.
   const long long gbase = static_cast<long long>(g) * p.cap;
+  load_rows(my_rows, rows);  // after the barrier: reloaded, not held in registers across the scan
   long long dst[4];  // next slot of this thread's columns, per kind
   int fbits[4];
 #pragma unroll
@@ -368,8 +366,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   for (int i = 0; i < kEpt; ++i) {
     const unsigned l = get_lvl(lv, i);
     if (l == 0u || l == 15u) continue;
-    const unsigned w = tbl[get_slot(slot, i)];
-    const unsigned m = w >> 24;
+    const unsigned m = mask_of(tab, rows[i]);
     const int f = column_field<G>(l, m, me);
     if (f < 0) continue;
     long long d = dst[0];
@@ -383,7 +380,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       if (f == ff) ++dst[ff];
     }
     if (static_cast<int>(l) < M) bits = static_cast<int>(me.merge_bits(m) << me.mshift);
-    p.tile_kv[d] = static_cast<int>((w & kRowMask) - 1u);
+    p.tile_kv[d] = rows[i];
     p.tile_mask[d] = bits;
   }
   // padding slots of each segment's last tile, and every tile's level / block
