@@ -120,16 +120,25 @@ __device__ __forceinline__ unsigned long long member_scan(unsigned long long v, 
   return ex - memb[k];
 }
 
-// Largest aligned block holding member k whose members all selected the row (mask m).
+// Largest aligned block holding member k whose members all selected the row (mask m): blocks nest,
+// so it is the largest L whose block bits are all set (bm[e]: the bits of k's block of G >> e).
 template <int G>
-__device__ __forceinline__ unsigned cascade_level(unsigned m, int k) {
+struct Blocks {
+  unsigned bm[ilog2_c(G) + 1];
+  __device__ explicit Blocks(int k) {
 #pragma unroll
-  for (int L = G; L > 1; L /= 2) {
-    const unsigned full = (1u << L) - 1u;
-    if (((m >> ((k / L) * L)) & full) == full) return L;
+    for (int e = 0; e <= ilog2_c(G); ++e) {
+      const int L = G >> e;
+      bm[e] = ((1u << L) - 1u) << (k & ~(L - 1));
+    }
   }
-  return 1u;
-}
+  __device__ __forceinline__ unsigned level(unsigned m) const {
+    unsigned l = 1u;
+#pragma unroll
+    for (int e = ilog2_c(G) - 1; e >= 0; --e) l = (m & bm[e]) == bm[e] ? static_cast<unsigned>(G >> e) : l;
+    return l;
+  }
+};
 
 // This thread's member k, and its place in its merge block of M members (all powers of two, so
 // per-entry work needs shifts, not divisions).
@@ -174,6 +183,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   const int g = blockIdx.x, q = g * G + k;
   const int M = p.merge, T = p.tile;
   const Member me(k, M);
+  const Blocks<G> blocks(k);
 
   {  // clear the flag set and the member table (16-byte stores)
     const int n16 = ((8 << p.log_flags) + p.s_kv + 15) / 16;
@@ -223,7 +233,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     // 2. cascade levels from the member masks
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
-      if (rows[i] >= 0) set_lvl(lv, i, cascade_level<G>(mask_of(tab, rows[i]), k));
+      if (rows[i] >= 0) set_lvl(lv, i, blocks.level(mask_of(tab, rows[i])));
     }
   }
 
@@ -305,10 +315,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   // 5. segments: columns counted per member and kind, then placed by prefix sums
   unsigned long long c64 = 0ull;
 #pragma unroll
-  for (int i = 0; i < kEpt; ++i) {
+  for (int i = 0; i < kEpt; ++i) {  // from here on lv holds each entry's column kind (15: no column)
     const unsigned l = get_lvl(lv, i);
     const unsigned m = (l == 0u || l == 15u || static_cast<int>(l) >= M) ? 0u : mask_of(tab, rows[i]);
     const int f = column_field<G>(l, m, me);
+    set_lvl(lv, i, f < 0 ? 15u : static_cast<unsigned>(f));
     if (f >= 0) c64 += 1ull << (16 * f);
   }
   const unsigned long long mine = member_scan(c64, k, tpm, wsum, memb);  // this member's columns before mine
@@ -347,9 +358,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
   // A segment's tiles are contiguous, so its column pos lands at slot (segment's first tile) * T + pos.
   const long long gbase = static_cast<long long>(g) * p.cap;
+  int* kv_out = p.tile_kv + gbase * T;
+  int* mask_out = p.tile_mask + gbase * T;
   load_rows(my_rows, rows);  // after the barrier: reloaded, not held in registers across the scan
-  long long dst[4];  // next slot of this thread's columns, per kind
-  int fbits[4];
+  int dst[4], fbits[4];      // next slot of this thread's columns and their member bits, per kind
 #pragma unroll
   for (int f = 0; f < 4; ++f) {
     int sid = -1, extra = 0;
@@ -359,29 +371,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       sid = 2 * G / M - 1 + (k >> ilog2(M));
       extra = mstart[k];
     }
-    dst[f] = sid < 0 ? 0 : (gbase + seg_off[sid]) * T + field(mine, f) + extra;
+    dst[f] = sid < 0 ? 0 : seg_off[sid] * T + static_cast<int>(field(mine, f)) + extra;
     fbits[f] = sid < 0 ? 0 : seg_bits[sid];
   }
+  const bool merged3 = M > 1;  // kind 3 is the merged segment (else level 1)
 #pragma unroll
   for (int i = 0; i < kEpt; ++i) {
-    const unsigned l = get_lvl(lv, i);
-    if (l == 0u || l == 15u) continue;
-    const unsigned m = mask_of(tab, rows[i]);
-    const int f = column_field<G>(l, m, me);
-    if (f < 0) continue;
-    long long d = dst[0];
-    int bits = fbits[0];
+    const unsigned f = get_lvl(lv, i);
+    if (f == 15u) continue;
+    const int d = f == 0u ? dst[0] : f == 1u ? dst[1] : f == 2u ? dst[2] : dst[3];
+    int bits = f == 0u ? fbits[0] : f == 1u ? fbits[1] : f == 2u ? fbits[2] : fbits[3];
+    if (f == 3u && merged3) bits = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift);
 #pragma unroll
-    for (int ff = 1; ff < 4; ++ff) {
-      if (f == ff) d = dst[ff], bits = fbits[ff];
-    }
-#pragma unroll
-    for (int ff = 0; ff < 4; ++ff) {
-      if (f == ff) ++dst[ff];
-    }
-    if (static_cast<int>(l) < M) bits = static_cast<int>(me.merge_bits(m) << me.mshift);
-    p.tile_kv[d] = rows[i];
-    p.tile_mask[d] = bits;
+    for (int ff = 0; ff < 4; ++ff) dst[ff] += f == static_cast<unsigned>(ff);
+    kv_out[d] = rows[i];
+    mask_out[d] = bits;
   }
   // padding slots of each segment's last tile, and every tile's level / block
   const int ns = n_seg;
