@@ -225,9 +225,8 @@ PLAN_MAX_GROUP, PLAN_MAX_ENTRIES, PLAN_SMEM_BYTES = 8, 16384, 232448 - 1024  # t
 
 
 def plan_list_pad(group_size: int, topk: int) -> int:
-    """Entries a member list occupies in the planner kernel (16 a thread, whole warps a group)."""
-    step = 512 // group_size
-    return -(-topk // step) * step
+    """Entries a member list occupies in the planner kernel (16 a thread, whole warps a member)."""
+    return -(-topk // 512) * 512
 
 
 def plan_launch_shape(group_size: int, topk: int, s_kv: int, tile: int) -> tuple[int, int, int]:

@@ -325,34 +325,37 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   const unsigned long long mine = member_scan(c64, k, tpm, wsum, memb);  // this member's columns before mine
   constexpr int kLevels = ilog2_c(G) + 1;
   const int n_lev = ilog2(G) - ilog2(M) + 1;  // level fields 0 .. n_lev - 1; merged: field 3
-  if (tid == 0) {
-    int ns = 0, off = 0, rows = 0;
-    for (int f = 0; f < n_lev; ++f) {
-      const int L = G >> f;
-      for (int b = 0; b < G / L; ++b, ++ns) {
-        const int n = static_cast<int>(field(memb[b * L + 1] - memb[b * L], f));
-        seg_n[ns] = n, seg_lvl[ns] = L, seg_bits[ns] = ((1 << L) - 1) << (b * L), seg_off[ns] = off;
-        off += (n + T - 1) / T;
-        rows += n;
+  if (tid < 32) {  // one lane a segment: its rows, tiles and place (levels G .. M by block, then merged blocks)
+    const int lane = tid, n_lvl_seg = (1 << n_lev) - 1, ns = n_lvl_seg + (M > 1 ? G / M : 0);
+    int n = 0, lvl = 0, bits = 0;
+    if (lane < n_lvl_seg) {
+      const int f = ilog2(lane + 1), b = lane + 1 - (1 << f), L = G >> f;
+      n = static_cast<int>(field(memb[b * L + 1] - memb[b * L], f));
+      lvl = L, bits = ((1 << L) - 1) << (b * L);
+    } else if (lane < ns) {
+      const int b = lane - n_lvl_seg;
+      for (int j = 0; j < M; ++j) {
+        mstart[b * M + j] = n;
+        n += static_cast<int>(field(memb[b * M + j + 1] - memb[b * M + j], 3));
       }
+      bits = ((1 << M) - 1) << (b * M);
     }
-    if (M > 1) {
-      for (int b = 0; b < G / M; ++b, ++ns) {
-        int n = 0;
-        for (int j = 0; j < M; ++j) {
-          mstart[b * M + j] = n;
-          n += static_cast<int>(field(memb[b * M + j + 1] - memb[b * M + j], 3));
-        }
-        seg_n[ns] = n, seg_lvl[ns] = 0, seg_bits[ns] = ((1 << M) - 1) << (b * M), seg_off[ns] = off;
-        off += (n + T - 1) / T;
-        rows += n;
-      }
+    const int tiles = (n + T - 1) / T;
+    int incl = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+      if (lane >= d) incl += y;
     }
-    seg_off[ns] = off;
-    n_seg = ns;
-    p.group_tiles[g] = off;
-    p.group_rows[g] = rows;
-    p.group_valid[g] = n_valid;
+    const int rows_all = __reduce_add_sync(0xFFFFFFFFu, n);
+    if (lane < ns) seg_n[lane] = n, seg_lvl[lane] = lvl, seg_bits[lane] = bits, seg_off[lane] = incl - tiles;
+    if (lane == ns - 1) {
+      seg_off[ns] = incl;
+      n_seg = ns;
+      p.group_tiles[g] = incl;
+      p.group_rows[g] = rows_all;
+      p.group_valid[g] = n_valid;
+    }
   }
   __syncthreads();
 
@@ -374,18 +377,49 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     dst[f] = sid < 0 ? 0 : seg_off[sid] * T + static_cast<int>(field(mine, f)) + extra;
     fbits[f] = sid < 0 ? 0 : seg_bits[sid];
   }
+  // Columns leave through this warp's 512-int stretch of the rows area (its rows are in registers now):
+  // a warp lies inside one member's list, so each kind's columns of the warp fill one contiguous range
+  // of slots; staged there in order, they are written with whole-warp (coalesced) stores.
   const bool merged3 = M > 1;  // kind 3 is the merged segment (else level 1)
+  const int lane = tid & 31;
+  int* stage = reinterpret_cast<int*>(smem) + (tid - lane) * kEpt;
+  int wstart[4], wcnt[4], local[4];
+  {
+    int acc = 0;
 #pragma unroll
-  for (int i = 0; i < kEpt; ++i) {
-    const unsigned f = get_lvl(lv, i);
-    if (f == 15u) continue;
-    const int d = f == 0u ? dst[0] : f == 1u ? dst[1] : f == 2u ? dst[2] : dst[3];
-    int bits = f == 0u ? fbits[0] : f == 1u ? fbits[1] : f == 2u ? fbits[2] : fbits[3];
-    if (f == 3u && merged3) bits = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift);
+    for (int f = 0; f < 4; ++f) {
+      wcnt[f] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, field(c64, f)));
+      wstart[f] = __shfl_sync(0xFFFFFFFFu, dst[f], 0);
+      local[f] = acc + dst[f] - wstart[f];
+      acc += wcnt[f];
+    }
+  }
 #pragma unroll
-    for (int ff = 0; ff < 4; ++ff) dst[ff] += f == static_cast<unsigned>(ff);
-    kv_out[d] = rows[i];
-    mask_out[d] = bits;
+  for (int pass = 0; pass < 2; ++pass) {  // 0: kv rows, 1: member bits
+    int at[4] = {local[0], local[1], local[2], local[3]};
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {
+      const unsigned f = get_lvl(lv, i);
+      if (f == 15u) continue;
+      const int d = f == 0u ? at[0] : f == 1u ? at[1] : f == 2u ? at[2] : at[3];
+      int v = rows[i];
+      if (pass == 1) {
+        v = f == 0u ? fbits[0] : f == 1u ? fbits[1] : f == 2u ? fbits[2] : fbits[3];
+        if (f == 3u && merged3) v = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift);
+      }
+#pragma unroll
+      for (int ff = 0; ff < 4; ++ff) at[ff] += f == static_cast<unsigned>(ff);
+      stage[d] = v;
+    }
+    __syncwarp();
+    int* out = pass == 0 ? kv_out : mask_out;
+    int acc = 0;
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      for (int x = lane; x < wcnt[f]; x += 32) out[wstart[f] + x] = stage[acc + x];
+      acc += wcnt[f];
+    }
   }
   // padding slots of each segment's last tile, and every tile's level / block
   const int ns = n_seg;
