@@ -243,6 +243,8 @@ def plan_unsupported_reason(group_size: int, topk: int, s_kv: int, tile: int) ->
         return f"the CUDA planner runs group sizes up to {PLAN_MAX_GROUP}, got {group_size}"
     if topk < 1 or group_size * plan_list_pad(group_size, topk) > PLAN_MAX_ENTRIES:
         return f"the CUDA planner holds up to {PLAN_MAX_ENTRIES} entries a group, got group_size x topk {group_size} x {topk}"
+    if s_kv > 1 << 18:  # the kernel packs a kv row into 18 bits next to its member bits
+        return f"the CUDA planner plans contexts up to {1 << 18} rows, got s_kv {s_kv}"
     smem = plan_launch_shape(group_size, topk, s_kv, tile)[2]
     if smem > PLAN_SMEM_BYTES:
         return (f"the CUDA planner's shared memory ({smem} bytes for s_kv {s_kv}, topk {topk}, tile {tile}) exceeds "

@@ -38,6 +38,7 @@ struct PlanParams {
 
 constexpr int kEpt = 16;          // list entries a thread
 constexpr int kMaxThreads = 1024;
+constexpr int kRowBits = 18;      // kv rows < 2^18 (the member table's shared memory bounds s_kv below that)
 constexpr int kMaxSeg = 16;       // segments a group: 2G - 1 levels (+ G / M merged blocks), G <= 8
 
 __device__ __forceinline__ unsigned get_lvl(unsigned long long lv, int i) {
@@ -233,7 +234,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     // 2. cascade levels from the member masks
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
-      if (rows[i] >= 0) set_lvl(lv, i, blocks.level(mask_of(tab, rows[i])));
+      const unsigned l = blocks.level(mask_of(tab, max(rows[i], 0)));  // branch-free; invalid: level 0
+      lv |= static_cast<unsigned long long>(rows[i] >= 0 ? l : 0u) << (4 * i);
     }
   }
 
@@ -314,13 +316,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
   // 5. segments: columns counted per member and kind, then placed by prefix sums
   unsigned long long c64 = 0ull;
+  {
+    unsigned cf[4] = {0u, 0u, 0u, 0u}, kinds = 0u;
 #pragma unroll
-  for (int i = 0; i < kEpt; ++i) {  // from here on lv holds each entry's column kind (15: no column)
-    const unsigned l = get_lvl(lv, i);
-    const unsigned m = (l == 0u || l == 15u || static_cast<int>(l) >= M) ? 0u : mask_of(tab, rows[i]);
-    const int f = column_field<G>(l, m, me);
-    set_lvl(lv, i, f < 0 ? 15u : static_cast<unsigned>(f));
-    if (f >= 0) c64 += 1ull << (16 * f);
+    for (int i = 0; i < kEpt; ++i) {  // from here on lv holds each entry's column kind (15: no column)
+      const unsigned l = get_lvl(lv, i);
+      const unsigned m = mask_of(tab, max(rows[i], 0));
+      const int f = column_field<G>(l, m, me);
+#pragma unroll
+      for (int ff = 0; ff < 4; ++ff) cf[ff] += f == ff;
+      kinds |= (f < 0 ? 15u : static_cast<unsigned>(f)) << (4 * (i % 8));
+      if (i % 8 == 7) {
+        lv = (lv & ~(0xFFFFFFFFull << (4 * (i - 7)))) | (static_cast<unsigned long long>(kinds) << (4 * (i - 7)));
+        kinds = 0u;
+      }
+    }
+#pragma unroll
+    for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(cf[ff]) << (16 * ff);
   }
   const unsigned long long mine = member_scan(c64, k, tpm, wsum, memb);  // this member's columns before mine
   constexpr int kLevels = ilog2_c(G) + 1;
@@ -394,30 +406,28 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       acc += wcnt[f];
     }
   }
+  __syncwarp();
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {  // 0: kv rows, 1: member bits
-    int at[4] = {local[0], local[1], local[2], local[3]};
-    __syncwarp();
+  for (int i = 0; i < kEpt; ++i) {
+    const unsigned f = get_lvl(lv, i);
+    if (f == 15u) continue;
+    const int d = f == 0u ? local[0] : f == 1u ? local[1] : f == 2u ? local[2] : local[3];
+    int bits = f == 0u ? fbits[0] : f == 1u ? fbits[1] : f == 2u ? fbits[2] : fbits[3];
+    if (f == 3u && merged3) bits = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift);
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      const unsigned f = get_lvl(lv, i);
-      if (f == 15u) continue;
-      const int d = f == 0u ? at[0] : f == 1u ? at[1] : f == 2u ? at[2] : at[3];
-      int v = rows[i];
-      if (pass == 1) {
-        v = f == 0u ? fbits[0] : f == 1u ? fbits[1] : f == 2u ? fbits[2] : fbits[3];
-        if (f == 3u && merged3) v = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift);
-      }
-#pragma unroll
-      for (int ff = 0; ff < 4; ++ff) at[ff] += f == static_cast<unsigned>(ff);
-      stage[d] = v;
-    }
-    __syncwarp();
-    int* out = pass == 0 ? kv_out : mask_out;
+    for (int ff = 0; ff < 4; ++ff) local[ff] += f == static_cast<unsigned>(ff);
+    stage[d] = rows[i] | (bits << kRowBits);  // rows < 2^18, member bits <= 8
+  }
+  __syncwarp();
+  {
     int acc = 0;
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
-      for (int x = lane; x < wcnt[f]; x += 32) out[wstart[f] + x] = stage[acc + x];
+      for (int x = lane; x < wcnt[f]; x += 32) {
+        const int v = stage[acc + x];
+        kv_out[wstart[f] + x] = v & ((1 << kRowBits) - 1);
+        mask_out[wstart[f] + x] = v >> kRowBits;
+      }
       acc += wcnt[f];
     }
   }
