@@ -752,6 +752,8 @@ def test_cuda_planner_scope_and_auto():
         plan(big, s_kv=4096, group_size=8, backend="cuda")
     _plans_equal(plan(idx, s_kv=4096, group_size=16), plan(idx, s_kv=4096, group_size=16, backend="triton"))
     with pytest.raises(ValueError, match="a byte a kv row"):  # the member table is a byte a kv row
+        plan(idx, s_kv=250_000, backend="cuda")
+    with pytest.raises(ValueError, match="contexts up to 262144 rows"):
         plan(idx, s_kv=400_000, backend="cuda")
     _plans_equal(plan(idx, s_kv=400_000), plan(idx, s_kv=400_000, backend="triton"))
     _plans_equal(plan(idx, s_kv=150_000, backend="cuda"), plan(idx, s_kv=150_000, backend="triton"))
