@@ -87,6 +87,7 @@ def sparse_prefill(
     dv_split: int = 1,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8_expand: bool | None = None,
     backend: str = "auto",
 ):
     """Top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
@@ -111,6 +112,10 @@ def sparse_prefill(
     attn_sink : optional float32 ``[h]``. topk_length : optional int32 ``[s_q]``.
     dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs;
         None: measured defaults by program shape).
+    fp8_expand : with the FP8 cache, expand it to dense rows once per call (``ops.fp8_expand``) instead
+        of dequantizing every gathered row in the Triton kernel; None: expand when the call gathers at
+        least as many rows as the cache holds. The CUDA kernel always reads expanded rows, so False
+        (a Triton setting) makes ``"auto"`` run Triton.
     backend : ``"triton"`` (portable), ``"cuda"`` (Hopper sm_90a kernel, compiled with nvcc on first
         use; d_qk 576 / d_v 512; an FP8 cache is expanded to bf16 once per call) or ``"auto"``
         (see ``choose_backend``).
@@ -142,7 +147,9 @@ def sparse_prefill(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
-    knobs = dv_split != 1 or num_warps is not None or num_stages is not None
+    if fp8_expand is not None and not isinstance(fp8_expand, bool):
+        raise TypeError(f"fp8_expand must be None or a bool, got {type(fp8_expand).__name__}")
+    knobs = dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
     auto = backend == "auto"
     backend = choose_backend(backend, q, kv, d_v, plan, tile=tile, triton_knobs=knobs)
     if backend == "cuda":
@@ -157,6 +164,7 @@ def sparse_prefill(
     from .ops.sparse_attention import launch_sparse_attention, program_shape, runs_quilt
 
     s_kv = kv.shape[0]
+    kv = maybe_expand_fp8(q, kv, indices.shape[1], fp8_expand)
     tuning = dict(attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
 
     def query_parallel():
@@ -206,7 +214,7 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
     if reason is None and plan is None and tile != cuda_backend.TILE:
         reason = f"the CUDA backend runs tile = {cuda_backend.TILE}, got {tile}"
     if reason is None and triton_knobs:
-        reason = "dv_split, num_warps and num_stages tune the Triton kernel"
+        reason = "dv_split, num_warps, num_stages and fp8_expand=False tune the Triton kernel"
     if reason is None:
         return "cuda"
     if backend == "cuda":
@@ -217,6 +225,18 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
         _WARNED.add(reason)
         warnings.warn(f"quilt_attn: backend='auto' runs Triton: {reason}", stacklevel=3)
     return "triton"
+
+
+def maybe_expand_fp8(q: torch.Tensor, kv: torch.Tensor, topk: int, fp8_expand: bool | None) -> torch.Tensor:
+    """kv for the Triton kernels: an FP8 cache expanded to q's dtype once (``fp8_expand``, or by default
+    when the call gathers at least ``s_kv`` rows), else as given (dequantized on load)."""
+    if kv.dtype != torch.uint8:
+        return kv
+    from .ops.fp8_expand import expand_fp8, expansion_pays_off
+
+    if fp8_expand is None:
+        fp8_expand = expansion_pays_off(kv.shape[0], q.shape[0], topk)
+    return expand_fp8(kv, q.dtype) if fp8_expand else kv
 
 
 def _cuda_setup(q, kv, *, group_size, tile, clip_threshold, importance_clip, merge_level, fallback):
@@ -239,11 +259,11 @@ def _cuda_setup(q, kv, *, group_size, tile, clip_threshold, importance_clip, mer
         to be planned: with ``fallback`` at ``h >= 64`` one query already fills a 64-row tile, so the
         kernel runs query-parallel over all queries.
     """
-    from .kv_cache import dequantize_fp8
+    from .ops.fp8_expand import expand_fp8
     from .ops.sparse_attention import program_shape
 
     if kv.dtype == torch.uint8:
-        kv = dequantize_fp8(kv, q.dtype)
+        kv = expand_fp8(kv, q.dtype)
     qp = program_shape(q.shape[1], group_size)[0]
     if fallback and not importance_clip and qp == 1:
         return kv, None

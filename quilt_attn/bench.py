@@ -127,7 +127,7 @@ def rotating(inputs: Inputs, call):
 
 def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, importance_clip=False,
              clip_threshold=0.5, split_private=True, fallback=True, dv_split=1, num_warps=None,
-             num_stages=None, check_rows=256, warmup=50, rep=300, backend=None) -> dict:
+             num_stages=None, check_rows=256, warmup=50, rep=300, backend=None, fp8_expand=None) -> dict:
     """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart).
 
     ``warmup`` / ``rep``: do_bench budgets (ms) of the attention timing. ``backend``: passed to
@@ -142,8 +142,8 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     from .ops.sparse_attention import LAST_COMPILED, program_shape, runs_quilt
 
     c = inputs.case
-    kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
-    knobs = dv_split != 1 or num_warps is not None or num_stages is not None
+    kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages, fp8_expand=fp8_expand)
+    knobs = dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
     requested = backend or "auto"
     backend = choose_backend(requested, inputs.sets[0][0], inputs.sets[0][1], D_V, triton_knobs=knobs)
     kw["backend"] = requested

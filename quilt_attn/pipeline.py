@@ -33,7 +33,7 @@ from ._checks import (
     require_same_device,
     require_tensor,
 )
-from .api import BACKENDS, _check_kernel_inputs, _cuda_setup, _is_pow2, _kernels_can_run, choose_backend
+from .api import BACKENDS, _check_kernel_inputs, _cuda_setup, _is_pow2, _kernels_can_run, choose_backend, maybe_expand_fp8
 from .planner import Plan
 from .planner import plan as make_plan
 from .planner.membership import check_group_size
@@ -175,6 +175,7 @@ def sparse_prefill_pipelined(
     dv_split: int = 1,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8_expand: bool | None = None,
     plan_stream=None,
     backend: str = "auto",
 ):
@@ -203,7 +204,8 @@ def sparse_prefill_pipelined(
     fallback : Triton: decide per chunk whether QUILT pays off, else run that chunk query-parallel (see
         the module docstring for where the decision's host sync goes). Both backends: at ``h >= 64``
         nothing is planned and all queries run query-parallel.
-    d_v, attn_sink ``[h]``, topk_length ``[s_q]``, dv_split, num_warps, num_stages : as in ``sparse_prefill``.
+    d_v, attn_sink ``[h]``, topk_length ``[s_q]``, dv_split, num_warps, num_stages, fp8_expand : as in
+        ``sparse_prefill`` (an FP8 cache, when expanded, is expanded once for all chunks).
     plan_stream : CUDA stream for the planner (default: one high-priority stream per device).
     backend : ``"auto"``, ``"triton"`` or ``"cuda"``, as in ``sparse_prefill`` (``api.choose_backend``).
 
@@ -228,7 +230,9 @@ def sparse_prefill_pipelined(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
-    knobs = dv_split != 1 or num_warps is not None or num_stages is not None
+    if fp8_expand is not None and not isinstance(fp8_expand, bool):
+        raise TypeError(f"fp8_expand must be None or a bool, got {type(fp8_expand).__name__}")
+    knobs = dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
     # prebuilt plans: the first one's tile decides, as sparse_prefill's plan does (all are checked below)
     first_plan = plans[0] if plans and isinstance(plans[0], Plan) else None
     cuda = choose_backend(backend, q, kv, d_v, first_plan, tile=tile, triton_knobs=knobs) == "cuda"
@@ -247,6 +251,7 @@ def sparse_prefill_pipelined(
                               importance_clip=importance_clip, merge_level=merge_level, fallback=fallback)
         plan_nothing = pkw is None
     else:
+        kv = maybe_expand_fp8(q, kv, indices.shape[1], fp8_expand)  # once for all chunks
         pkw = None if plans is not None else _plan_settings(h, group_size, tile, clip_threshold, importance_clip,
                                                              merge_level, split_private)
         plan_nothing = fallback and not importance_clip and program_shape(h, group_size)[0] == 1

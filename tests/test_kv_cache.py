@@ -180,3 +180,22 @@ def test_dequantize_errors():
 def test_module_constants_consistent():
     assert kv_cache.D_QK == kv_cache.D_NOPE + kv_cache.D_ROPE == 576
     assert kv_cache.FP8_NUM_SCALES * kv_cache.FP8_GROUP == kv_cache.D_NOPE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_expand_fp8_equals_dequantize(dtype, monkeypatch):
+    """The once-per-call expansion kernel (Triton; its interpreter on a CPU) gives dequantize_fp8's values bit
+    for bit, for row counts that do not fill its last program."""
+    from quilt_attn.ops.fp8_expand import ROWS_PER_PROGRAM, expand_fp8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for s_kv in (0, 1, ROWS_PER_PROGRAM + 5):
+        cache = quantize_fp8(randn(s_kv, 576, seed=s_kv, dtype=torch.bfloat16).to(device) * 7)
+        got, want = expand_fp8(cache, dtype), dequantize_fp8(cache, dtype)
+        assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="cache must be uint8"):
+        expand_fp8(torch.zeros(3, 576, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="dtype must be bfloat16 or float16"):
+        expand_fp8(quantize_fp8(randn(2, 576, seed=1, dtype=torch.bfloat16)), torch.float32)

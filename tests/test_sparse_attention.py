@@ -34,6 +34,7 @@ from conftest import (
 )
 from quilt_attn import plan as make_plan
 from quilt_attn import quantize_fp8, sparse_prefill, sparse_prefill_reference
+from quilt_attn.kv_cache import dequantize_fp8
 from quilt_attn.compat import flash_mla_sparse_fwd
 from quilt_attn.workloads import generate
 
@@ -231,17 +232,33 @@ def test_dv_split_2(method):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("fp8_expand", [False, None])
 @pytest.mark.parametrize("method,dv_split", [("quilt", 1), ("query_parallel", 1), ("quilt", 2)])
-def test_fp8_cache(method, dv_split):
+def test_fp8_cache(method, dv_split, fp8_expand):
+    """Dequantized on load (``fp8_expand=False``) or expanded once (the default here: 256 gathers over 64
+    rows); expanded, the result is the dense kernel's on the dequantized cache, bit for bit."""
     s_q, h, s_kv, topk = 8, 2, 64, 32
     q = randn(s_q, h, 576, seed=80, dtype=F16, device=KERNEL_DEVICE)
     cache = quantize_fp8(randn(s_kv, 576, seed=81, dtype=BF16, device=KERNEL_DEVICE))
     idx = random_indices(s_q, s_kv, topk, seed=82, device=KERNEL_DEVICE)
     idx[1, 3] = -1
     idx[2, 0] = s_kv
-    got = run(q, cache, idx, method, d_v=512, group_size=4, dv_split=dv_split)
+    kw = dict(d_v=512, group_size=4, dv_split=dv_split, backend="triton")
+    got = run(q, cache, idx, method, fp8_expand=fp8_expand, **kw)
     # the reference reads the cache as its exact dequantized values
     assert_matches_reference(got, ref(q, cache, idx, d_v=512), F16, what=f"{method} fp8")
+    if fp8_expand is None:
+        dense = run(q, dequantize_fp8(cache, F16), idx, method, **kw)
+        for a, b in zip(got, dense):
+            assert torch.equal(a, b)
+
+
+def test_fp8_expand_is_checked():
+    q = randn(4, 2, 576, seed=1, dtype=F16)
+    cache = quantize_fp8(randn(16, 576, seed=2, dtype=BF16))
+    idx = random_indices(4, 16, 8, seed=3)
+    with pytest.raises(TypeError, match="fp8_expand must be None or a bool, got str"):
+        sparse_prefill(q, cache, idx, fp8_expand="yes")
 
 
 @pytest.mark.interpret

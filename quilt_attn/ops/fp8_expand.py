@@ -1,0 +1,57 @@
+"""Expanding the 656-byte FP8 cache to dense rows once per call, on the device (Triton).
+
+A prefill over ``s_q`` queries reads each cached row many times (``s_q * topk`` gathers over
+``s_kv`` rows), so dequantizing every gathered row in the attention kernel repeats the same work
+over and over; expanding the cache once costs one read of it and one write of ``1152`` bytes a row.
+The values equal ``kv_cache.dequantize_fp8`` bit for bit (the scales are powers of two).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv_cache import D_NOPE, D_QK, FP8_BYTES, dequantize_fp8
+from .sparse_attention import _load_nope, _load_rope
+
+ROWS_PER_PROGRAM = 32
+
+
+@triton.jit
+def _expand_fp8_kernel(kv_ptr, kv_f32_ptr, kv_b16_ptr, out_ptr, s_kv, stride_out, BR: tl.constexpr,
+                       DV: tl.constexpr, DR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rows < s_kv
+    safe = tl.where(ok, rows, 0)
+    dtype = out_ptr.dtype.element_ty
+    nope = _load_nope(kv_ptr, kv_f32_ptr, 0, safe, 0, True, BR, DV, dtype)
+    tl.store(out_ptr + rows[:, None] * stride_out + tl.arange(0, DV)[None, :], nope, mask=ok[:, None])
+    rope = _load_rope(kv_ptr, kv_b16_ptr, 0, safe, True, DV, DR, dtype)
+    tl.store(out_ptr + rows[:, None] * stride_out + DV + tl.arange(0, DR)[None, :], rope, mask=ok[:, None])
+
+
+def expand_fp8(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``uint8 [s_kv, 656]`` FP8 cache -> dense ``[s_kv, 576]`` of ``dtype`` (one Triton launch on a GPU,
+    ``kv_cache.dequantize_fp8`` where Triton cannot run)."""
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != FP8_BYTES:
+        raise ValueError(f"cache must be uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} {tuple(cache.shape)}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if cache.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return dequantize_fp8(cache, dtype)
+    cache = cache.contiguous()
+    s_kv = cache.shape[0]
+    out = torch.empty(s_kv, D_QK, dtype=dtype, device=cache.device)
+    if s_kv:
+        _expand_fp8_kernel[(triton.cdiv(s_kv, ROWS_PER_PROGRAM),)](
+            cache, cache.view(torch.float32), cache.view(torch.bfloat16), out, s_kv, out.stride(0),
+            BR=ROWS_PER_PROGRAM, DV=D_NOPE, DR=D_QK - D_NOPE, num_warps=4)
+    return out
+
+
+def expansion_pays_off(s_kv: int, s_q: int, topk: int) -> bool:
+    """Whether expanding the whole cache beats dequantizing gathered rows in the kernel: when the call
+    gathers at least as many rows as the cache holds (each cached row read once or more on average)."""
+    return s_kv <= s_q * topk
