@@ -502,10 +502,19 @@ def breakdown_summary(rows: list[dict]) -> list[dict]:
 def breakdown_bars(summary: list[dict]) -> list[tuple[str, list[tuple[str, float]]]]:
     """Stacked bars ``(label, [(stage, ms)])``: for each h a dense-kv bar (compute, contiguous load,
     scattered gather) and an FP8 bar (compute, load + gather, dequant; when FP8 is faster than dense,
-    one load + gather + dequant segment). Negative differences (noise) are drawn as 0."""
+    one load + gather + dequant segment). Where the no-kv-load variant does not isolate the compute,
+    compute and contiguous loads share one segment. Negative differences (noise) are drawn as 0."""
     bars = []
     for e in summary:
         if e.get("compute_ms") is None:
+            # the no-kv-load variant did not isolate the compute: draw what was measured, the
+            # contiguous-window time (compute + streamed loads), the scattered gather and the dequant
+            if e.get("gather_ms") is None:
+                continue
+            base = [("compute + kv load (contiguous)", e["contiguous_ms"]), ("scattered gather", e["gather_ms"])]
+            bars.append((f"h={e['h']} dense", [(k, max(0.0, v)) for k, v in base]))
+            if e.get("fp8_ms") is not None:
+                bars.append((f"h={e['h']} fp8", [(k, max(0.0, v)) for k, v in base + [("dequant", e["dequant_ms"])]]))
             continue
         d = e["compute_ms"]
         if "gather_ms" in e:
@@ -526,6 +535,7 @@ def breakdown_bars(summary: list[dict]) -> list[tuple[str, list[tuple[str, float
 def plot_breakdown(rows: list[dict], png) -> str:
     plt = _pyplot()
     colors = {"compute": "C0", "kv load (contiguous)": "C1", "scattered gather": "C1", "kv load + gather": "C1",
+              "compute + kv load (contiguous)": "C2",
               "dequant": "C3", "kv load + gather + dequant": "C4"}
     hatch = {"scattered gather": "//"}
     bars = breakdown_bars(breakdown_summary(rows))

@@ -217,6 +217,10 @@ def test_breakdown_no_kv_load_slower_than_full_gives_no_split():
     assert s["dequant_ms"] == pytest.approx(15.1)
     md = "\n".join(sweeps.breakdown_md(_fake_breakdown({16: (8.5, 23.6, 8.5, 14.3)})))
     assert "does not isolate the compute" in md
+    bars = dict(sweeps.breakdown_bars([s]))  # still drawn: what was measured, each bar adding up to its time
+    assert bars["h=16 dense"] == [("compute + kv load (contiguous)", 8.5), ("scattered gather", 0.0)]
+    assert [k for k, _ in bars["h=16 fp8"]][-1] == "dequant"
+    assert sum(v for _, v in bars["h=16 fp8"]) == pytest.approx(23.6)
 
 
 def test_breakdown_missing_variant_leaves_its_stage_out():
