@@ -70,7 +70,7 @@ idx = generate("glm53-like", a.s_q, 65536, 2048, seed=7, device="cuda")
 if a.plan:
     import triton
 
-    from quilt_attn.planner.plan import plan_buffers, tile_capacity  # noqa: F401
+    from quilt_attn.planner.plan import plan_buffers
 
     M = program_shape(a.h, 8)[0]
     buf = plan_buffers(a.s_q, 2048, 8, M, 64, False, idx.device)

@@ -147,9 +147,7 @@ def sparse_prefill(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
-    if fp8_expand is not None and not isinstance(fp8_expand, bool):
-        raise TypeError(f"fp8_expand must be None or a bool, got {type(fp8_expand).__name__}")
-    knobs = dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
+    knobs = triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
     auto = backend == "auto"
     backend = choose_backend(backend, q, kv, d_v, plan, tile=tile, triton_knobs=knobs)
     if backend == "cuda":
@@ -225,6 +223,13 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
         _WARNED.add(reason)
         warnings.warn(f"quilt_attn: backend='auto' runs Triton: {reason}", stacklevel=3)
     return "triton"
+
+
+def triton_knobs(dv_split, num_warps, num_stages, fp8_expand) -> bool:
+    """Whether Triton-only tuning was asked for (``choose_backend``'s ``triton_knobs``); checks ``fp8_expand``."""
+    if fp8_expand is not None and not isinstance(fp8_expand, bool):
+        raise TypeError(f"fp8_expand must be None or a bool, got {type(fp8_expand).__name__}")
+    return dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
 
 
 def maybe_expand_fp8(q: torch.Tensor, kv: torch.Tensor, topk: int, fp8_expand: bool | None) -> torch.Tensor:

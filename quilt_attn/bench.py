@@ -137,13 +137,13 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     program (h >= 64), as ``sparse_prefill`` does.
     """
     from . import plan as make_plan
-    from .api import choose_backend, sparse_prefill
+    from .api import choose_backend, sparse_prefill, triton_knobs
     from .ops.cuda_backend import cuda_runs_quilt, query_programs_on_triton
     from .ops.sparse_attention import LAST_COMPILED, program_shape, runs_quilt
 
     c = inputs.case
     kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages, fp8_expand=fp8_expand)
-    knobs = dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
+    knobs = triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
     requested = backend or "auto"
     backend = choose_backend(requested, inputs.sets[0][0], inputs.sets[0][1], D_V, triton_knobs=knobs)
     kw["backend"] = requested

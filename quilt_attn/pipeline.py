@@ -33,7 +33,8 @@ from ._checks import (
     require_same_device,
     require_tensor,
 )
-from .api import BACKENDS, _check_kernel_inputs, _cuda_setup, _is_pow2, _kernels_can_run, choose_backend, maybe_expand_fp8
+from .api import (BACKENDS, _check_kernel_inputs, _cuda_setup, _is_pow2, _kernels_can_run, choose_backend,
+                  maybe_expand_fp8, triton_knobs)
 from .planner import Plan
 from .planner import plan as make_plan
 from .planner.membership import check_group_size
@@ -230,9 +231,7 @@ def sparse_prefill_pipelined(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
-    if fp8_expand is not None and not isinstance(fp8_expand, bool):
-        raise TypeError(f"fp8_expand must be None or a bool, got {type(fp8_expand).__name__}")
-    knobs = dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
+    knobs = triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
     # prebuilt plans: the first one's tile decides, as sparse_prefill's plan does (all are checked below)
     first_plan = plans[0] if plans and isinstance(plans[0], Plan) else None
     cuda = choose_backend(backend, q, kv, d_v, first_plan, tile=tile, triton_knobs=knobs) == "cuda"

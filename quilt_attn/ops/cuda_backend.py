@@ -11,6 +11,7 @@ by the caller, ``api.sparse_prefill``), plans with 64-row tiles, any head count 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -70,11 +71,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUILT_CUDA_CACHE") or Path.home() / ".cache" / "quilt_attn")
 
 
-def library_path(defines: tuple[str, ...] = ()) -> Path:
+@functools.lru_cache(maxsize=None)
+def _build_digest(defines: tuple[str, ...]) -> str:
+    """Hash of the flags and sources, read once a process (``unavailable_reason`` asks on every call)."""
     h = hashlib.sha256(" ".join(NVCC_FLAGS + defines).encode())
     for name in SOURCES:
         h.update((CSRC / name).read_bytes())
-    return cache_dir() / f"quilt_sm90_{h.hexdigest()[:16]}.so"
+    return h.hexdigest()[:16]
+
+
+def library_path(defines: tuple[str, ...] = ()) -> Path:
+    return cache_dir() / f"quilt_sm90_{_build_digest(tuple(defines))}.so"
 
 
 def build(nvcc: str | None = None, *, verbose: bool = False, defines: tuple[str, ...] = ()) -> Path:
@@ -224,14 +231,14 @@ def _ptr(t) -> int | None:
 PLAN_MAX_GROUP, PLAN_MAX_ENTRIES, PLAN_SMEM_BYTES = 8, 16384, 232448 - 1024  # the kernel's static arrays: < 1 KB
 
 
-def plan_list_pad(group_size: int, topk: int) -> int:
+def plan_list_pad(topk: int) -> int:
     """Entries a member list occupies in the planner kernel (16 a thread, whole warps a member)."""
     return -(-topk // 512) * 512
 
 
 def plan_launch_shape(group_size: int, topk: int, s_kv: int, tile: int) -> tuple[int, int, int]:
     """(threads, log2 of the pushed-row set's slots, dynamic shared memory bytes) of a planner launch."""
-    threads = group_size * plan_list_pad(group_size, topk) // 16
+    threads = group_size * plan_list_pad(topk) // 16
     pushed = max(1, (group_size - 1) * tile)  # at most tile - 1 rows a (level, block), G - 1 of them
     log_flags = max(6, (2 * pushed - 1).bit_length())
     return threads, log_flags, 64 * threads + (8 << log_flags) + -(-s_kv // 16) * 16
@@ -241,7 +248,7 @@ def plan_unsupported_reason(group_size: int, topk: int, s_kv: int, tile: int) ->
     """Why the CUDA planner cannot plan this shape (None when it can)."""
     if group_size > PLAN_MAX_GROUP:
         return f"the CUDA planner runs group sizes up to {PLAN_MAX_GROUP}, got {group_size}"
-    if topk < 1 or group_size * plan_list_pad(group_size, topk) > PLAN_MAX_ENTRIES:
+    if topk < 1 or group_size * plan_list_pad(topk) > PLAN_MAX_ENTRIES:
         return f"the CUDA planner holds up to {PLAN_MAX_ENTRIES} entries a group, got group_size x topk {group_size} x {topk}"
     if s_kv > 1 << 18:  # the kernel packs a kv row into 18 bits next to its member bits
         return f"the CUDA planner plans contexts up to {1 << 18} rows, got s_kv {s_kv}"

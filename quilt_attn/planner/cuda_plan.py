@@ -24,11 +24,10 @@ def unsupported_reason(device: torch.device, G: int, topk: int, s_kv: int | None
     return cuda_backend.plan_unsupported_reason(G, topk, s_kv if s_kv is not None else 1, tile)
 
 
-def plan_cuda(indices, s_kv, topk_length, G, M, T, thr, importance_clip, split_private=False):
-    """Run the planner kernel; returns the Plan's tensor fields and the valid-pair count."""
+def plan_cuda(indices, s_kv: int, topk_length, G, M, T, thr, importance_clip, split_private=False):
+    """Run the planner kernel (rows ``>= s_kv`` invalid); returns the Plan's tensor fields and the valid-pair
+    count."""
     s_q, topk = indices.shape
-    if s_kv is None:  # only negatives are invalid: bound rows by the largest one
-        s_kv = int(indices.max().item()) + 1 if indices.numel() else 1
     buf = plan_buffers(s_q, topk, G, M, T, split_private, indices.device)
     lengths = None if topk_length is None else topk_length.contiguous()
     cuda_backend.launch_plan(indices.contiguous(), lengths, s_kv, G, M, T, thr, importance_clip, split_private, buf)

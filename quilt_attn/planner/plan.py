@@ -408,14 +408,19 @@ def plan(
     thr = float(clip_threshold) * tile
 
     which = _planner_backend(dev, backend, tile, G, topk, s_kv, method)
+    # the kernel planners size their tables by the rows; without s_kv only negatives are invalid, so the
+    # largest row bounds them (one host sync)
+    rows_bound = s_kv if s_kv is not None or which == "torch" else (
+        int(indices.max().item()) + 1 if indices.numel() else 1)
     if which == "cuda":
         from .cuda_plan import plan_cuda
 
-        parts, valid_pairs = plan_cuda(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, split_private)
+        parts, valid_pairs = plan_cuda(indices, rows_bound, topk_length, G, M, tile, thr, importance_clip,
+                                       split_private)
     elif which == "triton":
         from .triton_plan import plan_triton
 
-        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method,
+        parts, valid_pairs = plan_triton(indices, rows_bound, topk_length, G, M, tile, thr, importance_clip, method,
                                          split_private)
     else:
         masks, valid = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method=method)

@@ -218,12 +218,11 @@ def _workspace(device: torch.device, n_prog: int, s_kv: int) -> torch.Tensor:
     return ws
 
 
-def plan_triton(indices, s_kv, topk_length, G, M, T, thr, importance_clip, method, split_private=False):
-    """Run the fused planner; returns the Plan's tensor fields and the valid-pair count."""
+def plan_triton(indices, s_kv: int, topk_length, G, M, T, thr, importance_clip, method, split_private=False):
+    """Run the fused planner (rows ``>= s_kv`` invalid); returns the Plan's tensor fields and the valid-pair
+    count."""
     s_q, topk = indices.shape
     dev = indices.device
-    if s_kv is None:  # only negatives are invalid: size the table by the largest row
-        s_kv = int(indices.max().item()) + 1 if indices.numel() else 1
     n_groups = -(-s_q // G)
     rows = n_groups * G
     cap = tile_capacity(G, M, topk, T)
