@@ -15,6 +15,8 @@ p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--h", type=int, default=64)
 p.add_argument("--s-q", type=int, default=4096)
 p.add_argument("--skip", type=int, default=0, help="0 full, 1 no gather, 2 no matmul, 3 neither")
+p.add_argument("--workload", default="glm53-like")
+p.add_argument("--ctas", type=int, default=None, help="persistent CTAs (default one an SM; 0: one a work item)")
 p.add_argument("--summarize", default=None, help="an .ncu-rep file: print the stall summary instead")
 p.add_argument("--top", type=int, default=40)
 p.add_argument("--plan", action="store_true", help="the planner kernel instead of attention")
@@ -66,7 +68,7 @@ from quilt_attn.ops.sparse_attention import program_shape
 from quilt_attn.workloads import generate
 
 torch.manual_seed(0)
-idx = generate("glm53-like", a.s_q, 65536, 2048, seed=7, device="cuda")
+idx = generate(a.workload, a.s_q, 65536, 2048, seed=7, device="cuda")
 if a.plan:
     import triton
 
@@ -89,5 +91,6 @@ kw = dict(plan=make_plan(idx, s_kv=65536, merge_level=qp, split_private=False)) 
 out = torch.empty(a.s_q, a.h, 512, dtype=q.dtype, device="cuda")
 ml = torch.empty(a.s_q, a.h, dtype=torch.float32, device="cuda")
 lse = torch.empty_like(ml)
-cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, _skip=a.skip, **kw)
+ctas = a.ctas if a.ctas != 0 else (kw["plan"].work_list(qp)[0].shape[0] if qp > 1 else a.s_q) * -(-a.h // 64)
+cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, _skip=a.skip, _ctas=ctas, **kw)
 torch.cuda.synchronize()

@@ -33,8 +33,10 @@ idx_cpu[5, 7] = s_kv + 3
 idx = idx_cpu.cuda()
 kv = torch.randn(s_kv, 576, dtype=torch.bfloat16, device="cuda")
 worst = 0.0
-for h, use_plan, dtype in [(16, True, torch.bfloat16), (3, True, torch.bfloat16), (64, False, torch.bfloat16),
-                           (16, True, torch.float16)]:
+# ctas: persistent CTAs (None: one an SM, more than this run's work items); fewer make each CTA run
+# several programs, the hand-over between them included
+for h, use_plan, dtype, ctas in [(16, True, torch.bfloat16, None), (3, True, torch.bfloat16, 2),
+                                 (64, False, torch.bfloat16, 3), (16, True, torch.float16, 1)]:
     q = torch.randn(s_q, h, 576, dtype=dtype, device="cuda")
     kvd = kv.to(dtype)
     out = torch.full((s_q, h, 512), float("nan"), dtype=dtype, device="cuda")
@@ -47,15 +49,15 @@ for h, use_plan, dtype in [(16, True, torch.bfloat16), (3, True, torch.bfloat16)
         p = make_plan(idx_cpu, s_kv=s_kv, merge_level=program_shape(h, 8)[0], split_private=False, backend="torch")
         p = type(p)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p.__dict__.items()
                        if not k.startswith("_")})
-        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, plan=p)
+        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, plan=p, _ctas=ctas)
     else:
         lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32, device="cuda")
-        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths)
+        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths, _ctas=ctas)
     torch.cuda.synchronize()
     ro, _, rl = sparse_prefill_reference(q.cpu(), kvd.cpu(), idx_cpu, 576**-0.5, d_v=512,
                                          topk_length=None if lengths is None else lengths.cpu())
     err = float((out.cpu().double() - ro).norm() / ro.norm())
     worst = max(worst, err)
-    print(f"h={h:<3} plan={use_plan!s:<5} {str(dtype):<15} rel-L2 {err:.2e}  nan={bool(out.isnan().any())}")
+    print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} {str(dtype):<15} rel-L2 {err:.2e}  nan={bool(out.isnan().any())}")
 assert worst < 1e-2, worst
 print("sanitize case OK")

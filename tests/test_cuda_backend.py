@@ -135,6 +135,33 @@ def test_cuda_odd_head_counts(h, nan_poison):
 
 @gpu
 @on_hopper
+@pytest.mark.parametrize("h,use_plan", [(16, True), (100, False)])
+def test_cuda_persistent_ctas_hand_over_programs(h, use_plan):
+    """A CTA runs program after program (q, barrier phases and the work counter carried over): any CTA
+    count gives the reference result, bit-identical to one CTA a work item."""
+    from quilt_attn.ops.sparse_attention import program_shape
+
+    q, kv, idx = _inputs(h, s_q=200)  # s_q not a multiple of the group: a partial last group
+    idx[7, :100] = -1  # a short list, and rows past the context
+    idx[9, 5] = kv.shape[0] + 2
+    qp, hb = program_shape(h, 8)
+    kw = dict(plan=make_plan(idx, s_kv=kv.shape[0], merge_level=qp, split_private=False)) if use_plan else \
+        dict(indices=idx)
+    n_work = (kw["plan"].work_list(qp)[0].shape[0] if use_plan else q.shape[0]) * -(-h // hb)
+    want = sparse_prefill_reference(q, kv, idx)
+    runs = []
+    for ctas in (n_work, 1, 3, None):
+        out = torch.full((q.shape[0], h, 512), float("nan"), dtype=BF16, device="cuda")
+        ml, lse = (torch.full((q.shape[0], h), float("nan"), device="cuda") for _ in range(2))
+        cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, _ctas=ctas, **kw)
+        assert_matches_reference((out, ml, lse), want, BF16, what=f"ctas={ctas}")
+        runs.append((out, ml, lse))
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+@gpu
+@on_hopper
 def test_cuda_fp16_and_split_plan(nan_poison):
     """fp16 inputs; a split-private plan runs its shared tiles in CUDA and its private rows in Triton."""
     q, kv, idx = _inputs(16, dtype=torch.float16)

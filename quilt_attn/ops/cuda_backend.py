@@ -42,8 +42,8 @@ class _Params(ctypes.Structure):
     _fields_ += [(n, ctypes.c_longlong) for n in ("stride_qs", "stride_qh", "stride_kv", "stride_idx",
                                                   "stride_os", "stride_oh")]
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "h", "topk", "prog_cap", "group_size", "qp", "hb",
-                                             "from_plan")]
-    _fields_ += [("scale2", ctypes.c_float), ("skip", ctypes.c_int)]
+                                             "from_plan", "n_work", "nhb")]
+    _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int)]
 
 
 class _PlanParams(ctypes.Structure):
@@ -127,7 +127,7 @@ def _library():
         if _LIB is None:
             lib = ctypes.CDLL(str(_OVERRIDE or build()))
             lib.quilt_sm90_launch.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                              ctypes.c_int, ctypes.c_void_p]
+                                              ctypes.c_void_p]
             lib.quilt_sm90_launch.restype = ctypes.c_int
             lib.quilt_sm90_error_string.restype = ctypes.c_char_p
             lib.quilt_sm90_error_string.argtypes = [ctypes.c_int]
@@ -287,13 +287,21 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-           partial: bool = False, _skip: int = 0) -> None:
+           partial: bool = False, _skip: int = 0, _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
 
     ``q [s_q, h, 576]``, ``kv [s_kv, 576]`` (q's dtype, unit stride in the last dimension),
     ``out [s_q, h, 512]`` (q's dtype, or float32 with ``partial``), ``max_logits, lse [s_q, h]`` float32.
     ``_skip`` (measurement only, results invalid): 1 skips the kv gather, 2 the matrix products.
+    The grid is persistent: a CTA an SM, each taking work items (programs x head blocks, longest
+    programs first) from a counter as it finishes the last; ``_ctas`` (measurement only) sets the CTA
+    count, e.g. one a work item (what a non-persistent launch does).
     """
     from ..reference import LOG2E
     from .sparse_attention import program_shape
@@ -320,15 +328,22 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         prm.prog_tiles, prm.prog_ntiles = prog_tiles.data_ptr(), prog_ntiles.data_ptr()
         prm.prog_order = plan.program_order(qp).data_ptr()  # longest programs first
         prm.prog_cap, prm.topk, prm.from_plan = prog_tiles.shape[1], plan.topk, 1
-        grid_x = prog_tiles.shape[0]
+        n_prog = prog_tiles.shape[0]
     else:
         prm.indices, prm.stride_idx, prm.topk = indices.data_ptr(), indices.stride(0), indices.shape[1]
         prm.topk_length = _ptr(topk_length)
-        grid_x = s_q
+        n_prog = s_q
+    prm.nhb = -(-h // hb)
+    prm.n_work = n_prog * prm.nhb
+    ctas = min(prm.n_work, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+    if _ctas is not None:
+        ctas = min(int(_ctas), prm.n_work)
+    counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream
+    prm.work_counter = counter.data_ptr()
     lib = _library()
     stream = torch.cuda.current_stream(q.device).cuda_stream
     dtype = 0 if q.dtype == torch.bfloat16 else 1
-    err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype, int(partial), grid_x, -(-h // hb), ctypes.c_void_p(stream))
+    err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype, int(partial), ctas, ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA backend launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
