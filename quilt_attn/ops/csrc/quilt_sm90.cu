@@ -15,13 +15,19 @@
 // warpgroup gathers rows with 16-byte cp.async (zero-filled for invalid rows) in quarter tiles:
 // each buffer's value half 0 (chunks 0-3) and half 1 (chunks 4-8) has its own ready / free
 // mbarrier, so a half is refilled as soon as its last reader is done; its slot loads run a block
-// ahead. The output is staged in Q's shared memory and written with 16-byte stores; plan programs
-// launch longest first. (v2 split each tile's columns between the warpgroups and ran QK, softmax and
-// PV one after another: 11.7 ms at 64 heads query-parallel; this schedule: 8.8 ms. benchmarks/NOTES.md.)
+// ahead. The output is staged in Q's shared memory and written with 16-byte stores. (v2 split each
+// tile's columns between the warpgroups and ran QK, softmax and PV one after another: 11.7 ms at 64
+// heads query-parallel; this schedule: 8.8 ms. benchmarks/NOTES.md.)
+//
+// Persistent: a CTA an SM, each taking work items (a program x a head block; plan programs longest
+// first, a query's head blocks next to each other) from a global counter as it finishes the last. The
+// producer moves on to the next program as soon as it has issued the current one's copies: the next
+// program's first kv block is gathered while the consumers finish this one, and its q (with the work
+// item, through q_ready) once the output stage in q's shared memory has been read (q_free).
 //
 // Shared memory, 128-byte-swizzled 64-column chunks (the layout wgmma's descriptors expect):
 //   Q 72 KB (the output stage after the last QK) | kv buffer 0, 1: 72 KB each (P0 reuses buffer 0's
-//   rope chunk once QK is done) | P1 8 KB | member bits, row max, row sums, mbarriers.
+//   rope chunk once QK is done) | P1 8 KB | member bits, row max, row sums, mbarriers, work items.
 // This file has no torch dependency: it builds into a plain shared library driven through ctypes
 // (quilt_attn/ops/cuda_backend.py), and compiles alone with nvcc for a build check.
 #include <cuda_bf16.h>
