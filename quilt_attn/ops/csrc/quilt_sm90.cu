@@ -719,6 +719,21 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
   mbar_arrive(bars.q_free());  // the stage (q's shared memory) may take the next program's q
 }
 
+// A consumer warpgroup's programs, until the producer hands over the end
+template <typename T, typename OutT, bool kMma, int wg>
+__device__ __forceinline__ void consume_programs(const Params& p, uint8_t* smem, const Bars& bars) {
+  const volatile int* work = reinterpret_cast<const int*>(smem + kSmemWork) + 2;
+  for (int k = 0, gb = 0;; ++k) {
+    wait_ready(bars.q_ready(), k & 1);
+    const int w = work[k & 1];
+    if (w >= p.n_work) break;
+    int hblock;
+    const Program pr = program_of(p, w, hblock);
+    consume<T, OutT, kMma, wg>(p, pr, hblock, k, gb, smem, bars);
+    gb += (pr.n_tiles + 1) / 2;
+  }
+}
+
 template <typename T, typename OutT, bool kMma>
 __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -746,27 +761,10 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
   asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
   // persistent: the producer hands over each program's work item with its q (a loop a warpgroup:
   // with both in one loop body ptxas spilled the accumulators)
-  const volatile int* work = reinterpret_cast<const int*>(smem + kSmemWork) + 2;
   if (wg == 0) {
-    for (int k = 0, gb = 0;; ++k) {
-      wait_ready(bars.q_ready(), k & 1);
-      const int w = work[k & 1];
-      if (w >= p.n_work) break;
-      int hblock;
-      const Program pr = program_of(p, w, hblock);
-      consume<T, OutT, kMma, 0>(p, pr, hblock, k, gb, smem, bars);
-      gb += (pr.n_tiles + 1) / 2;
-    }
+    consume_programs<T, OutT, kMma, 0>(p, smem, bars);
   } else {
-    for (int k = 0, gb = 0;; ++k) {
-      wait_ready(bars.q_ready(), k & 1);
-      const int w = work[k & 1];
-      if (w >= p.n_work) break;
-      int hblock;
-      const Program pr = program_of(p, w, hblock);
-      consume<T, OutT, kMma, 1>(p, pr, hblock, k, gb, smem, bars);
-      gb += (pr.n_tiles + 1) / 2;
-    }
+    consume_programs<T, OutT, kMma, 1>(p, smem, bars);
   }
 }
 
