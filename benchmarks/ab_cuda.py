@@ -63,7 +63,7 @@ for case_s in a.cases.split(","):
     qp = program_shape(h, 8)[0]
     pl = make_plan(inp.indices, s_kv=case.s_kv, merge_level=qp, split_private=False) if qp > 1 else None
     kw = dict(plan=pl) if pl is not None else dict(indices=inp.indices)
-    n_work = (pl.work_list(qp)[0].shape[0] if pl is not None else case.s_q) * -(-h // program_shape(h, 8)[1])
+    n_work = cuda_backend.work_items(h, case.s_q, pl)
     q0, _ = inp.sets[0]
     outs, fns, case_rows = {}, {}, {}
     for name, lib, ctas_s, order in variants:

@@ -144,10 +144,10 @@ def test_cuda_persistent_ctas_hand_over_programs(h, use_plan):
     q, kv, idx = _inputs(h, s_q=200)  # s_q not a multiple of the group: a partial last group
     idx[7, :100] = -1  # a short list, and rows past the context
     idx[9, 5] = kv.shape[0] + 2
-    qp, hb = program_shape(h, 8)
+    qp = program_shape(h, 8)[0]
     kw = dict(plan=make_plan(idx, s_kv=kv.shape[0], merge_level=qp, split_private=False)) if use_plan else \
         dict(indices=idx)
-    n_work = (kw["plan"].work_list(qp)[0].shape[0] if use_plan else q.shape[0]) * -(-h // hb)
+    n_work = cuda_backend.work_items(h, q.shape[0], kw.get("plan"))
     want = sparse_prefill_reference(q, kv, idx)
     runs = []
     for ctas in (n_work, 1, 3, None):

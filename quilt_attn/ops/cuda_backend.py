@@ -293,6 +293,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def work_items(h: int, s_q: int, plan=None) -> int:
+    """Work items of a launch: programs (the plan's, else one a query) x head blocks."""
+    from .sparse_attention import program_shape
+
+    qp, hb = program_shape(h, plan.group_size if plan is not None else 1)
+    n_prog = plan.work_list(qp)[0].shape[0] if plan is not None else s_q
+    return n_prog * -(-h // hb)
+
+
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
            partial: bool = False, _skip: int = 0, _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
@@ -329,16 +338,13 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         prm.prog_tiles, prm.prog_ntiles = prog_tiles.data_ptr(), prog_ntiles.data_ptr()
         prm.prog_order = plan.program_order(qp).data_ptr()  # longest programs first
         prm.prog_cap, prm.topk, prm.from_plan = prog_tiles.shape[1], plan.topk, 1
-        n_prog = prog_tiles.shape[0]
     else:
         prm.indices, prm.stride_idx, prm.topk = indices.data_ptr(), indices.stride(0), indices.shape[1]
         prm.topk_length = _ptr(topk_length)
-        n_prog = s_q
-    prm.nhb = -(-h // hb)
-    prm.n_work = n_prog * prm.nhb
-    ctas = min(prm.n_work, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
-    if _ctas is not None:
-        ctas = min(int(_ctas), prm.n_work)
+    prm.nhb, prm.n_work = -(-h // hb), work_items(h, s_q, plan)
+    if _ctas is None:
+        _ctas = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    ctas = min(int(_ctas), prm.n_work)
     counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream
     prm.work_counter = counter.data_ptr()
     lib = _library()
