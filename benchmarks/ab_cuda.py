@@ -89,7 +89,8 @@ for case_s in a.cases.split(","):
             method="quilt" if pl is not None else "query_parallel", backend="cuda", workload=wl, kv="bf16", h=h,
             s_q=case.s_q, s_kv=case.s_kv, topk=case.topk, variant=name, lib=lib or "package", order=order,
             ctas=min(n_work, ctas or torch.cuda.get_device_properties(0).multi_processor_count), n_work=n_work,
-            rel_err=chk["rel_err"], lse_err=chk["lse_err"], nan=chk["nan"], rounds_ms=[])
+            rel_err=chk["rel_err"], lse_err=chk["lse_err"], max_logits_err=chk["max_logits_err"], nan=chk["nan"],
+            rounds_ms=[])
     for rnd in range(a.rounds):
         for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
             case_rows[name]["rounds_ms"].append(bench.time_ms(fns[name], warmup=a.warmup, rep=a.rep))
@@ -100,7 +101,7 @@ for case_s in a.cases.split(","):
         r["bit_identical_to_first"] = all(torch.equal(x, y) for x, y in zip(outs[name], outs[first]))
         rows.append(r)
         print(f"{wl:<11} h={h:<4} {name:<20} {r['ms']:7.3f} ms  rounds {['%.3f' % x for x in r['rounds_ms']]}  "
-              f"rel_err {r['rel_err']:.2e}  nan {r['nan']}  same as {first}: {r['bit_identical_to_first']}", flush=True)
+              f"rel_err {r['rel_err']:.2e}  lse_err {r['lse_err']:.1e}  ml_err {r['max_logits_err']:.1e}  nan {r['nan']}  same as {first}: {r['bit_identical_to_first']}", flush=True)
     cuda_backend.use_library(None)
     inp = pl = kw = outs = fns = None
     torch.cuda.empty_cache()

@@ -81,7 +81,8 @@ def make_inputs(case: Case, n_sets: int = 2, device="cuda") -> Inputs:
 
 
 def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: int = 0, dropped=None) -> dict:
-    """Relative L2 error of ``out`` and max |d lse| against the float32 reference on sampled queries."""
+    """Relative L2 error of ``out``, max |d lse| and max |d max_logits| against the float32 reference on
+    sampled queries."""
     from .reference import sparse_prefill_reference
 
     q, kv = inputs.sets[set_index]
@@ -92,7 +93,9 @@ def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: i
     o = out[rows].float()
     err = ((o - ro).norm() / ro.norm()).item()
     fin = torch.isfinite(rl)
+    fin_m = torch.isfinite(rm)
     res = {"rel_err": err, "lse_err": (lse[rows] - rl)[fin].abs().max().item() if fin.any() else 0.0,
+           "max_logits_err": (max_logits[rows] - rm)[fin_m].abs().max().item() if fin_m.any() else 0.0,
            "nan": bool(torch.isnan(out[rows]).any().item())}
     return res
 

@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from conftest import HAS_CUDA, KERNEL_DEVICE, TOLERANCES, assert_matches_reference, make_inputs, randn
+from conftest import (HAS_CUDA, KERNEL_DEVICE, TOLERANCES, assert_matches_reference, make_inputs, random_indices,
+                      randn)
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill, sparse_prefill_reference
 from quilt_attn.api import choose_backend
@@ -158,6 +159,27 @@ def test_cuda_persistent_ctas_hand_over_programs(h, use_plan):
         runs.append((out, ml, lse))
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+@gpu
+@on_hopper
+@pytest.mark.parametrize("h", [16, 64])
+@pytest.mark.parametrize("order", ["rising", "falling"])
+def test_cuda_logits_far_apart_across_tiles(h, order, nan_poison):
+    """The softmax reference moves lazily (only past 2^8): logits that rise by far more than that from
+    tile to tile make it move, and rescale O, on every tile; falling ones never after the first. Both
+    must give the reference out, lse and the true max_logits."""
+    s_q, s_kv, topk = 24, 2048, 512
+    v = randn(576, seed=5, device="cuda", dtype=torch.float32)
+    v = v / v.norm()
+    q = (40 * v + 0.5 * randn(s_q, h, 576, seed=6, device="cuda", dtype=torch.float32)).to(BF16)
+    ramp = torch.linspace(0, 60, s_kv, device="cuda")[:, None]  # ~ +1000 base-2 units over the context
+    kv = (ramp * v + randn(s_kv, 576, seed=7, device="cuda", dtype=torch.float32)).to(BF16)
+    idx = random_indices(s_q, s_kv, topk, seed=8, device="cuda").sort(dim=1, descending=order == "falling").values
+    want = sparse_prefill_reference(q, kv, idx)
+    for method in ("quilt", "query_parallel"):
+        got = sparse_prefill(q, kv, idx, method=method, backend="cuda")
+        assert_matches_reference(got, want, BF16, what=f"{method} h={h} {order}")
 
 
 @gpu
