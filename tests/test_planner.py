@@ -717,16 +717,31 @@ _ON_HOPPER = _ON_GPU and torch.cuda.get_device_capability() == (9, 0)
                                                  (8, 8, 2, 0.25, False, False), (8, 2, 3, 0.75, False, False),
                                                  (4, 4, 64, 0.0, False, True), (8, 1, 1, 0.5, False, False)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_cuda_planner_matches_torch_gpu(G, M, T, tau, imp, split, seed):
-    """The CUDA planner equals the torch planner (invalid rows, topk_length, clipping, split private rows)."""
+def test_cuda_planner_matches_torch_gpu(G, M, T, tau, imp, split, seed, monkeypatch):
+    """The CUDA planner equals the torch planner (invalid rows, topk_length, clipping, split private rows);
+    its tile arrays come uninitialized (poisoned here), so every slot must have been written."""
+    _poison_cuda_plan_buffers(monkeypatch)
     _backend_case(G, M, T, tau, imp, "bitmap", "cuda", seed=seed, backend="cuda", split=split)
+
+
+def _poison_cuda_plan_buffers(monkeypatch):
+    from quilt_attn.planner import cuda_plan
+
+    def poisoned(*args, **kw):
+        buf = cuda_plan_buffers(*args, **kw)
+        for name in ("tile_kv", "tile_mask", "tile_level", "tile_members"):
+            buf[name].fill_(0x5EADBEEF)
+        return buf
+
+    cuda_plan_buffers = cuda_plan.plan_buffers
+    monkeypatch.setattr(cuda_plan, "plan_buffers", poisoned)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_HOPPER, reason="the CUDA planner needs an sm_90 GPU")
 @pytest.mark.parametrize("kind", ["glm53-like", "random", "identical"])
 @pytest.mark.parametrize("G,M,split", [(8, 8, False), (8, 4, True), (8, 1, False), (4, 4, False), (2, 1, True)])
-def test_cuda_planner_matches_triton_full_topk(kind, G, M, split):
+def test_cuda_planner_matches_triton_full_topk(kind, G, M, split, monkeypatch):
     """Full-size lists (topk 2048 over a 64K context): the CUDA planner's hash table equals the Triton planner."""
     from quilt_attn.workloads import generate
 
@@ -735,7 +750,9 @@ def test_cuda_planner_matches_triton_full_topk(kind, G, M, split):
     else:
         idx = generate(kind, 300, 65536, 2048, seed=3, device="cuda")
     kw = dict(s_kv=65536, group_size=G, merge_level=M, split_private=split)
-    _plans_equal(plan(idx, backend="cuda", **kw), plan(idx, backend="triton", **kw))
+    want = plan(idx, backend="triton", **kw)
+    _poison_cuda_plan_buffers(monkeypatch)
+    _plans_equal(plan(idx, backend="cuda", **kw), want)
 
 
 @pytest.mark.gpu

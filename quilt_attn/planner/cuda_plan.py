@@ -28,7 +28,7 @@ def plan_cuda(indices, s_kv: int, topk_length, G, M, T, thr, importance_clip, sp
     """Run the planner kernel (rows ``>= s_kv`` invalid); returns the Plan's tensor fields and the valid-pair
     count."""
     s_q, topk = indices.shape
-    buf = plan_buffers(s_q, topk, G, M, T, split_private, indices.device)
+    buf = plan_buffers(s_q, topk, G, M, T, split_private, indices.device, filled=False)  # the kernel writes every slot
     lengths = None if topk_length is None else topk_length.contiguous()
     cuda_backend.launch_plan(indices.contiguous(), lengths, s_kv, G, M, T, thr, importance_clip, split_private, buf)
     group_valid = buf.pop("group_valid")

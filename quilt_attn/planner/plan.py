@@ -199,13 +199,22 @@ def tile_capacity(G: int, M: int, topk: int, T: int) -> int:
     return -(-G * topk // T) + segment_count(G, M)
 
 
-def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, device) -> dict:
-    """The Plan's tensors, allocated for a kernel planner to fill (unused tile slots: kv -1, mask 0)."""
+def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, device,
+                 filled: bool = True) -> dict:
+    """The Plan's tensors, allocated for a kernel planner to fill (unused tile slots: kv -1, mask 0).
+
+    ``filled=False``: the tile arrays come uninitialized, for a planner that writes every slot itself.
+    """
     n_groups = -(-s_q // G)
     cap = tile_capacity(G, M, topk, T)
     i32 = dict(dtype=torch.int32, device=device)
-    out = dict(tile_kv=torch.full((n_groups, cap, T), -1, **i32), tile_mask=torch.zeros(n_groups, cap, T, **i32),
-               tile_level=torch.full((n_groups, cap), -1, **i32), tile_members=torch.zeros(n_groups, cap, **i32),
+    if filled:
+        tiles = dict(tile_kv=torch.full((n_groups, cap, T), -1, **i32), tile_mask=torch.zeros(n_groups, cap, T, **i32),
+                     tile_level=torch.full((n_groups, cap), -1, **i32), tile_members=torch.zeros(n_groups, cap, **i32))
+    else:
+        tiles = dict(tile_kv=torch.empty(n_groups, cap, T, **i32), tile_mask=torch.empty(n_groups, cap, T, **i32),
+                     tile_level=torch.empty(n_groups, cap, **i32), tile_members=torch.empty(n_groups, cap, **i32))
+    out = dict(**tiles,
                group_tiles=torch.empty(n_groups, **i32), group_rows=torch.empty(n_groups, **i32),
                group_valid=torch.empty(n_groups, **i32), dropped=torch.zeros(s_q, **i32), priv_idx=None, priv_n=None)
     if split_private:

@@ -20,8 +20,8 @@ namespace quilt_plan {
 struct PlanParams {
   const int* indices;      // [s_q, topk], row stride stride_idx
   const int* topk_length;  // [s_q] or null
-  int* tile_kv;            // [n_groups, cap, tile]; slots past a group's tiles are left as the caller set them
-  int* tile_mask;          // [n_groups, cap, tile]
+  int* tile_kv;            // [n_groups, cap, tile], every slot written (past a group's tiles: -1)
+  int* tile_mask;          // [n_groups, cap, tile], every slot written (past a group's tiles: 0)
   int* tile_level;         // [n_groups, cap], every slot written
   int* tile_members;       // [n_groups, cap], every slot written
   int* group_tiles;        // [n_groups]
@@ -439,6 +439,24 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       const long long d = (gbase + seg_off[s]) * T + pp;
       p.tile_kv[d] = -1;
       p.tile_mask[d] = 0;
+    }
+  }
+  // the tiles past the group's last: kv -1, mask 0 (the Plan's contract; the buffers come uninitialized,
+  // which saves a fill of the whole worst-case allocation before the launch)
+  {
+    const long long from = (gbase + seg_off[ns]) * T, n = static_cast<long long>(p.cap - seg_off[ns]) * T;
+    if (T % 4 == 0) {  // 16-byte aligned: (gbase + tiles) * T ints
+      int4* kz = reinterpret_cast<int4*>(p.tile_kv + from);
+      int4* mz = reinterpret_cast<int4*>(p.tile_mask + from);
+      for (long long i = tid; i < n / 4; i += nt) {
+        kz[i] = make_int4(-1, -1, -1, -1);
+        mz[i] = make_int4(0, 0, 0, 0);
+      }
+    } else {
+      for (long long i = tid; i < n; i += nt) {
+        p.tile_kv[from + i] = -1;
+        p.tile_mask[from + i] = 0;
+      }
     }
   }
   for (int t = tid; t < p.cap; t += nt) {

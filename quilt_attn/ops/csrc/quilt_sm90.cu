@@ -19,7 +19,7 @@
 // mbarrier, so a half is refilled as soon as its last reader is done; its slot loads run a block
 // ahead. The output is staged in Q's shared memory and written with 16-byte stores. (v2 split each
 // tile's columns between the warpgroups and ran QK, softmax and PV one after another: 11.7 ms at 64
-// heads query-parallel; this schedule: 8.8 ms. benchmarks/NOTES.md.)
+// heads query-parallel; this schedule: 8.6 ms. benchmarks/NOTES.md.)
 //
 // Persistent: a CTA an SM, each taking work items (a program x a head block; plan programs longest
 // first, a query's head blocks next to each other) from a global counter as it finishes the last. The
@@ -273,15 +273,14 @@ __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, i
   }
 }
 
-// Program k of this CTA: q rows -> shared memory (zero rows for padding) once the previous program's
-// output stage there has been read, then the work item for the consumers; q_ready completes when
-// both have landed. w >= n_work tells the consumers to stop.
+// Program k of this CTA (work item w: program pr, head block hblock): q rows -> shared memory (zero
+// rows for padding) once the previous program's output stage there has been read, then the work item
+// for the consumers; q_ready completes when both have landed. w >= n_work tells the consumers to stop.
 template <typename T>
-__device__ __forceinline__ void hand_over(const Params& p, int w, int k, int t, uint8_t* smem, const Bars& bars) {
+__device__ __forceinline__ void hand_over(const Params& p, int w, const Program& pr, int hblock, int k, int t,
+                                          uint8_t* smem, const Bars& bars) {
   mbar_wait(bars.q_free(), (k & 1) ^ 1);
   if (w < p.n_work) {
-    int hblock;
-    const Program pr = program_of(p, w, hblock);
     const T* q = static_cast<const T*>(p.q);
     const uint32_t dst0 = smem_u32(smem + kSmemQ);
 #pragma unroll 4
@@ -358,7 +357,7 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
     asm volatile("bar.sync 9, 128;\n" ::: "memory");
     const int w = next[k & 1];
     if (w >= p.n_work) {
-      hand_over<T>(p, w, k, t, smem, bars);
+      hand_over<T>(p, w, Program{}, 0, k, t, smem, bars);
       break;
     }
     int hblock;
@@ -377,12 +376,12 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
       fill(0, 1, phase);
       fill(1, 0, phase);
       // q after the first block: its wait for the stage must not hold back kv the consumers need first
-      if (b == 0) hand_over<T>(p, w, k, t, smem, bars);
+      if (b == 0) hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
       cur = nxt;
       tile_n[0] = tile_nn[0];
       tile_n[1] = tile_nn[1];
     }
-    if (n_blocks == 0) hand_over<T>(p, w, k, t, smem, bars);
+    if (n_blocks == 0) hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
     gb += n_blocks;
   }
   cp_async_wait<0>();
