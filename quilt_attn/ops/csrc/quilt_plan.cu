@@ -51,6 +51,13 @@ __device__ __forceinline__ unsigned field(unsigned long long x, int f) {
   return static_cast<unsigned>(x >> (16 * f)) & 0xFFFFu;
 }
 __device__ __forceinline__ int ilog2(unsigned x) { return 31 - __clz(x); }
+// how many of the 16 nibbles of x equal v (SWAR: a nibble's bits ORed into its lowest bit)
+__device__ __forceinline__ unsigned count_nibbles(unsigned long long x, unsigned v) {
+  x ^= 0x1111111111111111ull * v;
+  x |= x >> 1;
+  x |= x >> 2;
+  return 16u - static_cast<unsigned>(__popcll(x & 0x1111111111111111ull));
+}
 __host__ __device__ constexpr int ilog2_c(int x) { return x > 1 ? 1 + ilog2_c(x / 2) : 0; }
 
 // this thread's 16 kv rows (-1: invalid entry), kept in shared memory between phases
@@ -173,6 +180,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   __shared__ int seg_off[kMaxSeg + 1], seg_n[kMaxSeg], seg_lvl[kMaxSeg], seg_bits[kMaxSeg];
   __shared__ int mstart[G];
   __shared__ int n_valid, n_seg;
+  __shared__ unsigned pushed;  // flag bits of the (level, block)s that pushed rows down
 
   // shared memory: [entries' rows, int, 16 a thread] [flag keys] [flag words] [member bits, a byte a kv row]
   const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
@@ -191,7 +199,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     uint4* z = reinterpret_cast<uint4*>(fkeys);
     for (int i = tid; i < n16; i += nt) z[i] = make_uint4(0u, 0u, 0u, 0u);
   }
-  if (tid == 0) n_valid = 0;
+  if (tid == 0) n_valid = 0, pushed = 0u;
   __syncthreads();
 
   // 1. membership: every valid entry ORs its member bit into its row's byte
@@ -256,6 +264,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       int rows[kEpt];
       load_rows(my_rows, rows);
       if (push) {
+        if (tid % tpm == 0) atomicOr(&pushed, fbit);
         unsigned pos = pos0;
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) {
@@ -266,10 +275,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
         }
       }
       __syncthreads();
+      if (pushed & fbit) {  // (only the members of a block that pushed have rows to move)
 #pragma unroll
-      for (int i = 0; i < kEpt; ++i) {
-        if (get_lvl(lv, i) == static_cast<unsigned>(L) && (flag_get(fkeys, fvals, p.log_flags, rows[i]) & fbit)) {
-          set_lvl(lv, i, L / 2);
+        for (int i = 0; i < kEpt; ++i) {
+          if (get_lvl(lv, i) == static_cast<unsigned>(L) && (flag_get(fkeys, fvals, p.log_flags, rows[i]) & fbit)) {
+            set_lvl(lv, i, L / 2);
+          }
         }
       }
     }
@@ -317,14 +328,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   // 5. segments: columns counted per member and kind, then placed by prefix sums
   unsigned long long c64 = 0ull;
   {
-    unsigned cf[4] = {0u, 0u, 0u, 0u}, kinds = 0u;
+    unsigned kinds = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // from here on lv holds each entry's column kind (15: no column)
       const unsigned l = get_lvl(lv, i);
       const unsigned m = mask_of(tab, max(rows[i], 0));
       const int f = column_field<G>(l, m, me);
-#pragma unroll
-      for (int ff = 0; ff < 4; ++ff) cf[ff] += f == ff;
       kinds |= (f < 0 ? 15u : static_cast<unsigned>(f)) << (4 * (i % 8));
       if (i % 8 == 7) {
         lv = (lv & ~(0xFFFFFFFFull << (4 * (i - 7)))) | (static_cast<unsigned long long>(kinds) << (4 * (i - 7)));
@@ -332,7 +341,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       }
     }
 #pragma unroll
-    for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(cf[ff]) << (16 * ff);
+    for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(count_nibbles(lv, ff)) << (16 * ff);
   }
   const unsigned long long mine = member_scan(c64, k, tpm, wsum, memb);  // this member's columns before mine
   constexpr int kLevels = ilog2_c(G) + 1;
@@ -407,16 +416,20 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     }
   }
   __syncwarp();
+  // kind by kind (compile-time kinds: no per-entry selects among the four counters), in entry order
 #pragma unroll
-  for (int i = 0; i < kEpt; ++i) {
-    const unsigned f = get_lvl(lv, i);
-    if (f == 15u) continue;
-    const int d = f == 0u ? local[0] : f == 1u ? local[1] : f == 2u ? local[2] : local[3];
-    int bits = f == 0u ? fbits[0] : f == 1u ? fbits[1] : f == 2u ? fbits[2] : fbits[3];
-    if (f == 3u && merged3) bits = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift);
+  for (int f = 0; f < 4; ++f) {
+    if (wcnt[f] == 0) continue;  // (warp-uniform)
+    int* sp = stage + local[f];
+    const int fb = fbits[f] << kRowBits;
 #pragma unroll
-    for (int ff = 0; ff < 4; ++ff) local[ff] += f == static_cast<unsigned>(ff);
-    stage[d] = rows[i] | (bits << kRowBits);  // rows < 2^18, member bits <= 8
+    for (int i = 0; i < kEpt; ++i) {
+      if (get_lvl(lv, i) == static_cast<unsigned>(f)) {
+        int b = fb;
+        if (f == 3 && merged3) b = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift) << kRowBits;
+        *sp++ = rows[i] | b;  // rows < 2^18, member bits <= 8
+      }
+    }
   }
   __syncwarp();
   {
