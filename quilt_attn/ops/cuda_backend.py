@@ -322,6 +322,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     s_q, h, _ = q.shape
     G = plan.group_size if plan is not None else 1
     qp, hb = program_shape(h, G)
+    assert hb & (hb - 1) == 0, f"program heads {hb} must be a power of two (the kernel shifts by log2)"
     prm = _Params()
     prm.q, prm.kv, prm.out, prm.max_logits, prm.lse = (t.data_ptr() for t in (q, kv, out, max_logits, lse))
     prm.sink = _ptr(attn_sink) if not partial else None

@@ -196,6 +196,19 @@ __device__ __forceinline__ void bar_arrive() {
 #endif
 }
 
+// QUILT_TIMELINE (measurement build, benchmarks/boundary_timeline.py): clock64 stamps of one thread a role
+// at a program's boundary, [CTA][program k][slot], read back with quilt_sm90_timeline()
+#ifdef QUILT_TIMELINE
+constexpr int kTlCtas = 132, kTlProgs = 512, kTlSlots = 8;
+__device__ unsigned long long g_timeline[kTlCtas * kTlProgs * kTlSlots];
+__device__ __forceinline__ void stamp(int k, int slot, unsigned long long v) {
+  if (blockIdx.x < kTlCtas && k < kTlProgs) g_timeline[(blockIdx.x * kTlProgs + k) * kTlSlots + slot] = v;
+}
+#define QUILT_STAMP(k, slot) stamp((k), (slot), clock64())
+#else
+#define QUILT_STAMP(k, slot)
+#endif
+
 struct Bars {
   uint32_t base;
   __device__ uint32_t ready(int buf, int half) const { return base + (buf * 2 + half) * 8; }
@@ -280,17 +293,21 @@ template <typename T>
 __device__ __forceinline__ void hand_over(const Params& p, int w, const Program& pr, int hblock, int k, int t,
                                           uint8_t* smem, const Bars& bars) {
   mbar_wait(bars.q_free(), (k & 1) ^ 1);
+  if (t == 0) QUILT_STAMP(k, 4);
   if (w < p.n_work) {
+    // as the kv gather: 8 threads a row's 128-byte chunk, rows g, g + 16, g + 32, g + 48 (a row's address
+    // once, not a division a copy: the boundary timeline had this loop at ~4300 cycles)
     const T* q = static_cast<const T*>(p.q);
     const uint32_t dst0 = smem_u32(smem + kSmemQ);
-#pragma unroll 4
-    for (int kk = 0; kk < kRows * kUnitsPerRow / 128; ++kk) {
-      const int i = t + kk * 128;
-      const int r = i / kUnitsPerRow, u = i % kUnitsPerRow;
-      const int mem = r / p.hb, head = hblock * p.hb + r % p.hb, qq = pr.q0 + mem;
+    const int unit = t % 8, g = t / 8, lhb = __ffs(p.hb) - 1;  // (hb: a power of two)
+#pragma unroll 1
+    for (int j = 0; j < 4; ++j) {  // (not unrolled: the producer has 72 registers)
+      const int r = g + 16 * j;
+      const int head = hblock * p.hb + (r & (p.hb - 1)), qq = pr.q0 + (r >> lhb);
       const bool ok = r < p.qp * p.hb && qq < p.s_q && head < p.h;
-      const T* src = q + (ok ? qq * p.stride_qs + head * p.stride_qh : 0) + u * 8;
-      cp_async16(dst0 + (u / 8) * kChunkBytes + swz(r, u % 8), src, ok);
+      const T* src = q + (ok ? qq * p.stride_qs + head * p.stride_qh : 0) + unit * 8;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) cp_async16(dst0 + c * kChunkBytes + swz(r, unit), src + c * 64, ok);
     }
 #ifdef QUILT_SANITIZER_SYNC
     cp_async_commit();
@@ -300,6 +317,7 @@ __device__ __forceinline__ void hand_over(const Params& p, int w, const Program&
 #else
     mbar_arrive_copies(bars.q_ready());
 #endif
+    if (t == 0) QUILT_STAMP(k, 5);
   } else {
     mbar_arrive(bars.q_ready());
   }
@@ -592,6 +610,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
       wait_ready(bars.ready(0, 1), gb & 1);
       if constexpr (kMma) qk_chunks<T>(s, sq, skv0, 4, kChunks, false);
       qk_done<kMma>(s);
+      if (tid == 0) QUILT_STAMP(k, 3);
     }
     for (int b = 0, phase = gb & 1; b < n_blocks; ++b, phase ^= 1) {
       const bool has1 = 2 * b + 1 < pr.n_tiles;
@@ -654,6 +673,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         wait_ready(bars.ready(1, 0), phase);
         if constexpr (kMma) qk_chunks<T>(s, sq, skv1, 0, 4, false);
         qk_done<kMma>(s);
+        if (tid == 128 && b == 0) QUILT_STAMP(k, 6);
         mask_scale(s, mx, masks + kTile, bit, p.scale2, lane);
 #pragma unroll
         for (int i = 0; i < 2; ++i) mt[i] = fmaxf(mt[i], mx[i]);
@@ -683,6 +703,12 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
     }
   }
 
+  if (tid == 0) {
+    QUILT_STAMP(k, 0);
+#ifdef QUILT_TIMELINE
+    stamp(k, 7, static_cast<unsigned long long>(n_blocks));
+#endif
+  }
   // the two warpgroups' row sums -> l (both hold the same reference max); normalize and write
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -694,10 +720,11 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
   bar_sync<kBarSum>();
   constexpr bool kPartial = sizeof(OutT) == 4;
   uint8_t* stage = smem + kSmemQ;  // q is no longer read: every QK has completed
+  const int lhb = __ffs(p.hb) - 1;  // (hb: a power of two; shifts, not divisions, in the loops below)
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = r0 + 8 * i;
-    const int mem = r / p.hb, head = hblock * p.hb + r % p.hb, qq = pr.q0 + mem;
+    const int head = hblock * p.hb + (r & (p.hb - 1)), qq = pr.q0 + (r >> lhb);
     if (!(r < p.qp * p.hb && qq < p.s_q && head < p.h)) continue;
     const float lt = red_sum[r] + red_sum[kRows + r];
     const bool empty = lt == 0.f;
@@ -737,12 +764,13 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
 #pragma unroll 4
     for (int k = 0; k < kRows * 32 / 128; ++k) {
       const int c = k * 128 + t, r = c / 32, u = c % 32;
-      const int mem = r / p.hb, head = hblock * p.hb + r % p.hb, qq = pr.q0 + mem;
+      const int head = hblock * p.hb + (r & (p.hb - 1)), qq = pr.q0 + (r >> lhb);
       if (!(r < p.qp * p.hb && qq < p.s_q && head < p.h)) continue;
       const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kStageStride + wg * 512 + u * 16);
       *reinterpret_cast<uint4*>(static_cast<OutT*>(p.out) + qq * p.stride_os + head * p.stride_oh + wg * 256 + u * 8) = v;
     }
   }
+  if (tid == 0) QUILT_STAMP(k, 1);
   mbar_arrive(bars.q_free());  // the stage (q's shared memory) may take the next program's q
 }
 
@@ -752,6 +780,7 @@ __device__ __forceinline__ void consume_programs(const Params& p, uint8_t* smem,
   const volatile int* work = reinterpret_cast<const int*>(smem + kSmemWork) + 2;
   for (int k = 0, gb = 0;; ++k) {
     wait_ready(bars.q_ready(), k & 1);
+    if (threadIdx.x == 0) QUILT_STAMP(k, 2);
     const int w = work[k & 1];
     if (w >= p.n_work) break;
     int hblock;
@@ -824,6 +853,22 @@ int quilt_sm90_launch(const quilt_sm90::Params* p, int dtype, int partial, int c
   return partial ? launch<__half, float>(*p, ctas, s) : launch<__half, __half>(*p, ctas, s);
 }
 
+#ifdef QUILT_TIMELINE
+// copies the stamps to host memory `dst` (kTlCtas * kTlProgs * kTlSlots uint64)
+int quilt_sm90_timeline(unsigned long long* dst) {
+  return static_cast<int>(cudaMemcpyFromSymbol(dst, quilt_sm90::g_timeline, sizeof(quilt_sm90::g_timeline)));
+}
+int quilt_sm90_timeline_reset() {
+  void* ptr = nullptr;
+  cudaError_t err = cudaGetSymbolAddress(&ptr, quilt_sm90::g_timeline);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  return static_cast<int>(cudaMemset(ptr, 0, sizeof(quilt_sm90::g_timeline)));
+}
+int quilt_sm90_timeline_shape(int* dims) {
+  dims[0] = quilt_sm90::kTlCtas, dims[1] = quilt_sm90::kTlProgs, dims[2] = quilt_sm90::kTlSlots;
+  return 0;
+}
+#endif
 int quilt_sm90_params_size() { return static_cast<int>(sizeof(quilt_sm90::Params)); }
 int quilt_sm90_smem_bytes() { return quilt_sm90::kSmemBytes; }
 const char* quilt_sm90_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

@@ -1,0 +1,97 @@
+"""Where a program boundary's time goes in the CUDA kernel: a measurement build (QUILT_TIMELINE) stamps
+clock64 at fixed points of each CTA's programs, one thread a role (results of that launch are checked
+against the float32 reference like any other). Per boundary (program k-1 -> k of a CTA), in SM cycles:
+
+  epilogue        last block's products done -> output stage read (q_free)        consumers
+  q_free seen     q_free -> producer past its wait                                producer
+  q issue         producer issues the q copies                                    producer
+  q landed        copies issued -> consumers past q_ready                          consumers wait
+  first QK0       q ready -> warpgroup 0's first S = Q K0^T done                   (also waits for kv block 0)
+  first QK1       q ready -> warpgroup 1's first S done
+  block           a steady block: (end of blocks - first QK0) / (blocks - 1)
+
+    python benchmarks/boundary_timeline.py --out tl.json [--cases glm53-like:64,glm53-like:16]
+"""
+import argparse
+import ctypes
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+from quilt_attn import bench
+from quilt_attn.bench import Case, make_inputs, save
+from quilt_attn.ops import cuda_backend
+from quilt_attn.ops.sparse_attention import program_shape
+from quilt_attn.planner import plan as make_plan
+
+p = argparse.ArgumentParser(description=__doc__)
+p.add_argument("--out", required=True)
+p.add_argument("--cases", default="glm53-like:64,glm53-like:16")
+a = p.parse_args()
+
+lib_path = cuda_backend.build(defines=("-DQUILT_TIMELINE",))
+cuda_backend.use_library(lib_path)
+lib = ctypes.CDLL(str(lib_path))
+dims = (ctypes.c_int * 3)()
+lib.quilt_sm90_timeline_shape(dims)
+n_cta, n_prog, n_slot = dims[0], dims[1], dims[2]
+rows = []
+for spec in a.cases.split(","):
+    wl, h = spec.split(":")
+    h = int(h)
+    case = Case(wl, h)
+    inp = make_inputs(case, n_sets=1)
+    q, kv = inp.sets[0]
+    qp = program_shape(h, 8)[0]
+    kw = dict(plan=make_plan(inp.indices, s_kv=case.s_kv, merge_level=qp, split_private=False)) if qp > 1 else \
+        dict(indices=inp.indices)
+    out = torch.full((case.s_q, h, bench.D_V), float("nan"), dtype=q.dtype, device=q.device)
+    ml, lse = torch.empty(case.s_q, h, device=q.device), torch.empty(case.s_q, h, device=q.device)
+    run = lambda: cuda_backend.launch(q, kv, bench.D_QK ** -0.5, out, ml, lse, **kw)  # noqa: E731
+    run()
+    ms = bench.time_ms(run, warmup=10, rep=50)
+    assert lib.quilt_sm90_timeline_reset() == 0
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    chk = bench.check(inp, out, ml, lse)
+    buf = np.zeros(n_cta * n_prog * n_slot, dtype=np.uint64)
+    assert lib.quilt_sm90_timeline(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_ulonglong))) == 0
+    t = buf.reshape(n_cta, n_prog, n_slot).astype(np.int64)
+    parts = {k: [] for k in ("epilogue", "q_free_seen", "q_issue", "q_landed", "first_qk0", "first_qk1", "block",
+                             "boundary")}
+    spans = []
+    for c in range(n_cta):
+        ks = [k for k in range(n_prog) if t[c, k, 2] > 0 and t[c, k, 1] > 0]
+        if len(ks) < 2:
+            continue
+        spans.append(t[c, ks[-1], 1] - t[c, ks[0], 2])
+        for k in ks[1:]:
+            if k - 1 not in ks:
+                continue
+            prev, cur = t[c, k - 1], t[c, k]
+            parts["epilogue"].append(prev[1] - prev[0])
+            parts["q_free_seen"].append(cur[4] - prev[1])
+            parts["q_issue"].append(cur[5] - cur[4])
+            parts["q_landed"].append(cur[2] - max(cur[5], prev[1]))
+            parts["first_qk0"].append(cur[3] - cur[2])
+            if cur[6] > 0:
+                parts["first_qk1"].append(cur[6] - cur[2])
+            if cur[7] > 1:
+                parts["block"].append((cur[0] - cur[3]) / (cur[7] - 1))
+            parts["boundary"].append(cur[3] - prev[0])
+    cyc_per_ms = statistics.median(spans) / ms  # a CTA's first-to-last stamp spans about the whole kernel
+    row = dict(workload=wl, h=h, ms=ms, rel_err=chk["rel_err"], nan=chk["nan"], cycles_per_us=cyc_per_ms / 1e3,
+               boundaries=len(parts["epilogue"]), backend="cuda", method="quilt" if qp > 1 else "query_parallel")
+    print(f"{wl} h={h}: {ms:.3f} ms, rel_err {chk['rel_err']:.2e}, nan {chk['nan']}, {row['boundaries']} boundaries, "
+          f"~{cyc_per_ms / 1e3:.0f} cycles a us")
+    for k, v in parts.items():
+        if v:
+            med = float(np.median(v))
+            row[k + "_cycles"] = med
+            print(f"  {k:<12} median {med:8.0f} cycles  {med / (cyc_per_ms / 1e3):6.2f} us")
+    rows.append(row)
+cuda_backend.use_library(None)
+save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
