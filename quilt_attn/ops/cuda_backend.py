@@ -165,9 +165,10 @@ def unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None) -
 
 
 # Time a tile, ns, aggregated over the whole grid (benchmarks/results/h200.json): a 64-row CUDA tile
-# (kernel v5: 15.7-16.5 ns at h = 8..64 on glm53-like, 16.3-16.9 on ds32- / qasper-like, 17.0-19.6 on
-# random, whose rows come from HBM; v4a: 16.0-16.8 / 16.6-17.4 / 18-19.5) and a Triton query-parallel
-# tile by program rows (16.2-18.5 ns at h = 16 across workloads, 20.5-21.3 at h = 32).
+# (kernel v5b: 15.5-15.9 ns at h = 8..64 on glm53-like, 15.8-16.8 on ds32- / qasper-like, 17.1-18.7 on
+# random, whose rows come from HBM; 16.4 aggregated over the h <= 32 plan rows; v4a: 16.0-16.8 /
+# 16.6-17.4 / 18-19.5) and a Triton query-parallel tile by program rows (16.2-18.5 ns at h = 16 across
+# workloads, 20.5-21.3 at h = 32).
 CUDA_TILE_NS = 16.3
 TRITON_QP_TILE_NS = {16: 17.5, 32: 20.6}
 

@@ -19,7 +19,7 @@
 // mbarrier, so a half is refilled as soon as its last reader is done; its slot loads run a block
 // ahead. The output is staged in Q's shared memory and written with 16-byte stores. (v2 split each
 // tile's columns between the warpgroups and ran QK, softmax and PV one after another: 11.7 ms at 64
-// heads query-parallel; this schedule: 8.6 ms. benchmarks/NOTES.md.)
+// heads query-parallel; this schedule: 8.3 ms. benchmarks/NOTES.md.)
 //
 // Persistent: a CTA an SM, each taking work items (a program x a head block; plan programs longest
 // first, a query's head blocks next to each other) from a global counter as it finishes the last. The
