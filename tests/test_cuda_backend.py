@@ -106,6 +106,17 @@ def test_kernel_library_builds_and_matches_the_parameter_block(tmp_path, monkeyp
     assert cuda_backend._LIB is None and cuda_backend._OVERRIDE is None
 
 
+def test_program_heads_are_powers_of_two():
+    """The kernel splits a program's rows into query and head with shifts (q copies, epilogue): the
+    program shape must give a power-of-two head block, at most 64 rows, for every head count and group."""
+    from quilt_attn.ops.sparse_attention import program_shape
+
+    for G in (1, 2, 4, 8, 16):
+        for h in range(1, 129):
+            qp, hb = program_shape(h, G)
+            assert hb & (hb - 1) == 0 and 16 <= qp * hb <= 64 and qp <= G, (h, G, qp, hb)
+
+
 # =============================================================================================
 # GPU (sm_90)
 # =============================================================================================
