@@ -208,12 +208,11 @@ def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: boo
     n_groups = -(-s_q // G)
     cap = tile_capacity(G, M, topk, T)
     i32 = dict(dtype=torch.int32, device=device)
-    if filled:
-        tiles = dict(tile_kv=torch.full((n_groups, cap, T), -1, **i32), tile_mask=torch.zeros(n_groups, cap, T, **i32),
-                     tile_level=torch.full((n_groups, cap), -1, **i32), tile_members=torch.zeros(n_groups, cap, **i32))
-    else:
-        tiles = dict(tile_kv=torch.empty(n_groups, cap, T, **i32), tile_mask=torch.empty(n_groups, cap, T, **i32),
-                     tile_level=torch.empty(n_groups, cap, **i32), tile_members=torch.empty(n_groups, cap, **i32))
+    tiles = dict(tile_kv=torch.empty(n_groups, cap, T, **i32), tile_mask=torch.empty(n_groups, cap, T, **i32),
+                 tile_level=torch.empty(n_groups, cap, **i32), tile_members=torch.empty(n_groups, cap, **i32))
+    if filled:  # unused slots: kv and level -1, mask and members 0
+        for name, value in (("tile_kv", -1), ("tile_mask", 0), ("tile_level", -1), ("tile_members", 0)):
+            tiles[name].fill_(value)
     out = dict(**tiles,
                group_tiles=torch.empty(n_groups, **i32), group_rows=torch.empty(n_groups, **i32),
                group_valid=torch.empty(n_groups, **i32), dropped=torch.zeros(s_q, **i32), priv_idx=None, priv_n=None)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .membership import member_masks, pad_to_groups
-from .plan import plan_buffers, tile_capacity
+from .plan import plan_buffers
 
 _WORKSPACE: dict = {}
 PLAN_WARPS = 16  # measured on the H200: see benchmarks/NOTES.md
@@ -225,7 +225,6 @@ def plan_triton(indices, s_kv: int, topk_length, G, M, T, thr, importance_clip, 
     dev = indices.device
     n_groups = -(-s_q // G)
     rows = n_groups * G
-    cap = tile_capacity(G, M, topk, T)
     KP = triton.next_power_of_2(topk)
     NTP = triton.next_power_of_2(-(-max(G * topk, 1) // T) + 1)
     indices = indices.contiguous()
@@ -238,6 +237,7 @@ def plan_triton(indices, s_kv: int, topk_length, G, M, T, thr, importance_clip, 
         masks = torch.empty(rows, topk, dtype=torch.int16, device=dev)
     lvl = torch.empty(rows, topk, dtype=torch.int8, device=dev)
     buf = plan_buffers(s_q, topk, G, M, T, split_private, dev)
+    cap = buf["tile_kv"].shape[1]
     if dev.type == "cuda":
         n_prog = min(n_groups, PLAN_PROGS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count)
     else:
