@@ -2,10 +2,13 @@
 clock64 at fixed points of each CTA's programs, one thread a role (results of that launch are checked
 against the float32 reference like any other). Per boundary (program k-1 -> k of a CTA), in SM cycles:
 
-  epilogue        last block's products done -> output stage read (q_free)        consumers
-  q_free seen     q_free -> producer past its wait                                producer
+  epilogue        warpgroup 0's last block done -> its output written             consumers
+  wg1 lag         warpgroup 0's last block done -> warpgroup 1's                  consumers
+  sum wait        warpgroup 0's last block done -> both row sums exchanged        consumers
+  q_free seen     warpgroup 0's last block done -> producer past its q_free wait  producer
+                  (q_free: both warpgroups' last QK done; negative: before the last block ends)
   q issue         producer issues the q copies                                    producer
-  q landed        copies issued -> consumers past q_ready                          consumers wait
+  q landed        copies issued or epilogue done -> consumers past q_ready                          consumers wait
   first QK0       q ready -> warpgroup 0's first S = Q K0^T done                   (also waits for kv block 0)
   first QK1       q ready -> warpgroup 1's first S done
   block           a steady block: (end of blocks - first QK0) / (blocks - 1)
@@ -60,8 +63,8 @@ for spec in a.cases.split(","):
     buf = np.zeros(n_cta * n_prog * n_slot, dtype=np.uint64)
     assert lib.quilt_sm90_timeline(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_ulonglong))) == 0
     t = buf.reshape(n_cta, n_prog, n_slot).astype(np.int64)
-    parts = {k: [] for k in ("epilogue", "q_free_seen", "q_issue", "q_landed", "first_qk0", "first_qk1", "block",
-                             "boundary")}
+    parts = {k: [] for k in ("epilogue", "wg1_lag", "sum_wait", "q_free_seen", "q_issue", "q_landed", "first_qk0",
+                             "first_qk1", "block", "boundary")}
     spans = []
     for c in range(n_cta):
         ks = [k for k in range(n_prog) if t[c, k, 2] > 0 and t[c, k, 1] > 0]
@@ -73,7 +76,10 @@ for spec in a.cases.split(","):
                 continue
             prev, cur = t[c, k - 1], t[c, k]
             parts["epilogue"].append(prev[1] - prev[0])
-            parts["q_free_seen"].append(cur[4] - prev[1])
+            if n_slot > 8:
+                parts["wg1_lag"].append(prev[9] - prev[0])
+                parts["sum_wait"].append(prev[8] - prev[0])
+            parts["q_free_seen"].append(cur[4] - prev[0])
             parts["q_issue"].append(cur[5] - cur[4])
             parts["q_landed"].append(cur[2] - max(cur[5], prev[1]))
             parts["first_qk0"].append(cur[3] - cur[2])

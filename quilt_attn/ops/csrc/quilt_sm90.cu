@@ -11,13 +11,13 @@
 //   consumer warpgroup 1: S = Q K1^T, softmax against warpgroup 0's new max, then
 //                         O[:, 256:512] += P1 V1 (registers) + P0 V0 (shared memory)
 // The two QK products run at the same time; the row max is handed 0 -> 1 -> 0 through shared
-// memory (warpgroup 0 rescales its P0 to the block's final max before publishing it). The "max" is a
+// memory (warpgroup 0 stores P0 at its own max and again, rescaled, only where warpgroup 1 moved it). The "max" is a
 // lazy reference: it moves only when a tile exceeds it by more than 2^8, so O and l are rarely
 // rescaled (next_max; the true max is tracked apart for max_logits). A producer
 // warpgroup gathers rows with 16-byte cp.async (zero-filled for invalid rows) in quarter tiles:
 // each buffer's value half 0 (chunks 0-3) and half 1 (chunks 4-8) has its own ready / free
 // mbarrier, so a half is refilled as soon as its last reader is done; its slot loads run a block
-// ahead. The output is staged in Q's shared memory and written with 16-byte stores. (v2 split each
+// ahead. The output goes from registers to global memory, 16 bytes a thread. (v2 split each
 // tile's columns between the warpgroups and ran QK, softmax and PV one after another: 11.7 ms at 64
 // heads query-parallel; this schedule: 8.3 ms. benchmarks/NOTES.md.)
 //
@@ -25,10 +25,11 @@
 // first, a query's head blocks next to each other) from a global counter as it finishes the last. The
 // producer moves on to the next program as soon as it has issued the current one's copies: the next
 // program's first kv block is gathered while the consumers finish this one, and its q (with the work
-// item, through q_ready) once the output stage in q's shared memory has been read (q_free).
+// item, through q_ready) once both consumer warpgroups' last QK of the program has completed (q_free):
+// the next q then lands under the last PVs and the epilogue.
 //
 // Shared memory, 128-byte-swizzled 64-column chunks (the layout wgmma's descriptors expect):
-//   Q 72 KB (the output stage after the last QK) | kv buffer 0, 1: 72 KB each (P0 reuses buffer 0's
+//   Q 72 KB | kv buffer 0, 1: 72 KB each (P0 reuses buffer 0's
 //   rope chunk once QK is done) | P1 8 KB | member bits, row max, row sums, mbarriers, work items.
 // This file has no torch dependency: it builds into a plain shared library driven through ctypes
 // (quilt_attn/ops/cuda_backend.py), and compiles alone with nvcc for a build check.
@@ -68,8 +69,6 @@ static_assert(kSmemBytes <= 232448, "shared memory budget of an H100/H200 CTA");
 
 // named barriers between the two consumer warpgroups (0 is __syncthreads)
 enum : int { kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5 };
-constexpr int kStageStride = 512 * 2 + 16;  // bytes a staged output row (padded: conflict-free stores)
-static_assert(kRows * kStageStride <= kTileBytes, "the output stage reuses q's shared memory");
 
 struct Params {
   const void* q;            // [s_q, h, 576] (strides stride_qs, stride_qh; unit stride last)
@@ -199,7 +198,7 @@ __device__ __forceinline__ void bar_arrive() {
 // QUILT_TIMELINE (measurement build, benchmarks/boundary_timeline.py): clock64 stamps of one thread a role
 // at a program's boundary, [CTA][program k][slot], read back with quilt_sm90_timeline()
 #ifdef QUILT_TIMELINE
-constexpr int kTlCtas = 132, kTlProgs = 512, kTlSlots = 8;
+constexpr int kTlCtas = 132, kTlProgs = 512, kTlSlots = 10;
 __device__ unsigned long long g_timeline[kTlCtas * kTlProgs * kTlSlots];
 __device__ __forceinline__ void stamp(int k, int slot, unsigned long long v) {
   if (blockIdx.x < kTlCtas && k < kTlProgs) g_timeline[(blockIdx.x * kTlProgs + k) * kTlSlots + slot] = v;
@@ -214,7 +213,7 @@ struct Bars {
   __device__ uint32_t ready(int buf, int half) const { return base + (buf * 2 + half) * 8; }
   __device__ uint32_t free(int buf, int half) const { return base + 32 + (buf * 2 + half) * 8; }
   __device__ uint32_t q_ready() const { return base + 64; }  // q rows of the CTA's current program landed
-  __device__ uint32_t q_free() const { return base + 72; }   // the previous program's output stage was read
+  __device__ uint32_t q_free() const { return base + 72; }   // the previous program's QKs are done with q
 };
 
 // Work item w of a persistent CTA: program w / nhb (the plan's launch order: longest first), head block
@@ -287,7 +286,7 @@ __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, i
 }
 
 // Program k of this CTA (work item w: program pr, head block hblock): q rows -> shared memory (zero
-// rows for padding) once the previous program's output stage there has been read, then the work item
+// rows for padding) once the previous program's QKs are done with it, then the work item
 // for the consumers; q_ready completes when both have landed. w >= n_work tells the consumers to stop.
 template <typename T>
 __device__ __forceinline__ void hand_over(const Params& p, int w, const Program& pr, int hblock, int k, int t,
@@ -328,7 +327,7 @@ __device__ __forceinline__ void hand_over(const Params& p, int w, const Program&
 }
 
 // The producer runs ahead of the consumers across programs: the next program's first kv block is
-// gathered while the consumers finish the current one, and its q as soon as the output stage is free.
+// gathered while the consumers finish the current one, and its q as soon as their last QK is done.
 template <typename T>
 __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   const int t = threadIdx.x - 256, unit = t % 8, g = t / 8;
@@ -385,6 +384,9 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
     load_tile_ids(p, pr, 0, tile0);
     load_tile_ids(p, pr, 1, tile_n);
     load_slots(p, pr, 0, g, tile0, cur);
+    // q first: the consumers free its shared memory after their last QK of the previous program, before
+    // the last PVs that free the kv buffers, so its wait is the shorter one
+    hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
     for (int b = 0; b < n_blocks; ++b) {
       const int phase = (gb + b) & 1;
       load_slots(p, pr, b + 1, g, tile_n, nxt);  // (past the end: no loads, all slots -1)
@@ -393,13 +395,10 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
       fill(1, 1, phase);
       fill(0, 1, phase);
       fill(1, 0, phase);
-      // q after the first block: its wait for the stage must not hold back kv the consumers need first
-      if (b == 0) hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
       cur = nxt;
       tile_n[0] = tile_nn[0];
       tile_n[1] = tile_nn[1];
     }
-    if (n_blocks == 0) hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
     gb += n_blocks;
   }
   cp_async_wait<0>();
@@ -538,11 +537,13 @@ __device__ __forceinline__ void softmax_step(float (&s)[32], float (&o)[128], fl
 // kMma = false (measurement only, results invalid) leaves out the matrix products; a compile-time
 // switch, since ptxas serializes wgmma issued under a runtime branch of this kind
 // softmax of this warpgroup's tile against `m_new`, the new running max published for the other
-// warpgroup (named barrier kBarDone), then O += P V over this warpgroup's own tile (P from registers)
+// warpgroup (named barrier kBarDone), then O += P V over this warpgroup's own tile (P from registers);
+// warpgroup 0 also stores its P to shared memory (P0, for warpgroup 1) before that PV
 template <typename T, bool kMma, int kBarDone>
 __device__ __forceinline__ void softmax_publish_pv(float (&s)[32], float (&o)[128], float (&m)[2], float (&l)[2],
                                                    const float (&m_new)[2], uint32_t (&pk)[16], float* red_max,
-                                                   int r0, int lane, uint32_t skv, int wg, bool own_tile) {
+                                                   int r0, int lane, uint32_t skv, int wg, bool own_tile,
+                                                   uint8_t* smem) {
   softmax_step(s, o, m, l, m_new);
   if (lane % 4 == 0) {
     red_max[r0] = m[0];
@@ -551,9 +552,32 @@ __device__ __forceinline__ void softmax_publish_pv(float (&s)[32], float (&o)[12
   bar_arrive<kBarDone>();
   const float one[2] = {1.f, 1.f};
   pack_p<T>(pk, s, one);
+  // warpgroup 0 stores P0 for warpgroup 1's P0 V0 now, at its own max: the block's max rarely moves (next_max), and
+  // the store is then off the hand-off path (measured -0.3 to -3%)
+  if constexpr (kBarDone == kBarMax0) store_p<T>(smem, kSmemP0, pk, r0, lane);
   wgmma_fence();
   if (kMma && own_tile) pv_regs<T>(o, pk, skv, wg);
   wgmma_commit();
+}
+
+// 4 x 4 transpose of 32-bit words across a quad (lanes 4n..4n+3), two butterfly steps: lane q's v[c] becomes
+// lane c's v[q]. Applied to packed output pairs it turns four 4-byte pieces of four column groups into one
+// 16-byte piece of one group.
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q) {
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2) {
+    const bool up = q & m;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (c & m) continue;
+      const uint32_t got = __shfl_xor_sync(0xffffffff, up ? v[c] : v[c ^ m], m);
+      if (up) {
+        v[c] = got;
+      } else {
+        v[c ^ m] = got;
+      }
+    }
+  }
 }
 
 // after a QK batch: wait for it and hand its accumulators to ordinary code
@@ -614,6 +638,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
     }
     for (int b = 0, phase = gb & 1; b < n_blocks; ++b, phase ^= 1) {
       const bool has1 = 2 * b + 1 < pr.n_tiles;
+      if (b == n_blocks - 1) mbar_arrive(bars.q_free());  // every QK of the program is done
       float mx[2], m_new[2];
       mask_scale(s, mx, masks, bit, p.scale2, lane);
 #pragma unroll
@@ -621,7 +646,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         m_new[i] = next_max(m[i], mx[i]);
         mt[i] = fmaxf(mt[i], mx[i]);
       }
-      softmax_publish_pv<T, kMma, kBarMax0>(s, o, m, l, m_new, pk, red_max, r0, lane, skv0, 0, true);
+      softmax_publish_pv<T, kMma, kBarMax0>(s, o, m, l, m_new, pk, red_max, r0, lane, skv0, 0, true, smem);
       wgmma_wait<0>();
       fence_regs(o);
       mbar_arrive(bars.free(0, 0));
@@ -637,8 +662,10 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         l[i] *= f[i];
       }
       const bool same = warp_unchanged(f);
-      if (!same) pack_p<T>(pk, s, f);  // (else pk already holds P0 at this max)
-      store_p<T>(smem, kSmemP0, pk, r0, lane);
+      if (!same) {  // (else P0 in shared memory is already at this max)
+        pack_p<T>(pk, s, f);
+        store_p<T>(smem, kSmemP0, pk, r0, lane);
+      }
       fence_async_smem();
       bar_arrive<kBarP0>();
       mbar_arrive(bars.free(0, 1));
@@ -682,12 +709,13 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         for (int i = 0; i < 32; ++i) s[i] = -INFINITY;
         mx[0] = mx[1] = -INFINITY;
       }
+      if (b == n_blocks - 1) mbar_arrive(bars.q_free());
       bar_sync<kBarMax0>();
       float m_new[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) m_new[i] = next_max(red_max[r0 + 8 * i], mx[i]);
       __syncwarp();
-      softmax_publish_pv<T, kMma, kBarMax1>(s, o, m, l, m_new, pk, red_max, r0, lane, skv1, 1, has1);
+      softmax_publish_pv<T, kMma, kBarMax1>(s, o, m, l, m_new, pk, red_max, r0, lane, skv1, 1, has1, smem);
       if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);  // (P1 V1 runs meanwhile)
       bar_sync<kBarP0>();
       wgmma_fence();
@@ -703,6 +731,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
     }
   }
 
+  if (tid == 128) QUILT_STAMP(k, 9);
   if (tid == 0) {
     QUILT_STAMP(k, 0);
 #ifdef QUILT_TIMELINE
@@ -718,60 +747,50 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
     if (wg == 1 && lane % 4 == 0) red_tmax[r0 + 8 * i] = mt[i];
   }
   bar_sync<kBarSum>();
+  if (tid == 0) QUILT_STAMP(k, 8);
+  if (n_blocks == 0) mbar_arrive(bars.q_free());  // (no QK: arrived here instead)
   constexpr bool kPartial = sizeof(OutT) == 4;
-  uint8_t* stage = smem + kSmemQ;  // q is no longer read: every QK has completed
-  const int lhb = __ffs(p.hb) - 1;  // (hb: a power of two; shifts, not divisions, in the loops below)
+  const int lhb = __ffs(p.hb) - 1;  // (hb: a power of two: a shift, not a division)
+  const int quad = lane % 4;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = r0 + 8 * i;
     const int head = hblock * p.hb + (r & (p.hb - 1)), qq = pr.q0 + (r >> lhb);
-    if (!(r < p.qp * p.hb && qq < p.s_q && head < p.h)) continue;
+    const bool ok = r < p.qp * p.hb && qq < p.s_q && head < p.h;  // (a quad's rows agree: shuffles below)
     const float lt = red_sum[r] + red_sum[kRows + r];
     const bool empty = lt == 0.f;
     const float lse = empty ? INFINITY : m[i] + log2f(lt);
     float fac = empty ? 0.f : 1.f / lt;
-    if (!kPartial && p.sink != nullptr && !empty) {
+    if (!kPartial && p.sink != nullptr && !empty && ok) {
       fac *= 1.f / (1.f + expf(p.sink[head] - lse * 0.6931471805599453f));
     }
+    OutT* out = static_cast<OutT*>(p.out) + (ok ? qq * p.stride_os + head * p.stride_oh : 0) + wg * 256;
     if constexpr (kPartial) {
-      float* out = static_cast<float*>(p.out) + qq * p.stride_os + head * p.stride_oh + wg * 256 + (lane % 4) * 2;
+      if (ok) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[j * 4 + i * 2] * fac, o[j * 4 + i * 2 + 1] * fac);
+        for (int j = 0; j < 32; ++j) {
+          *reinterpret_cast<float2*>(out + j * 8 + quad * 2) =
+              make_float2(o[j * 4 + i * 2] * fac, o[j * 4 + i * 2 + 1] * fac);
+        }
       }
     } else {
+      // straight from registers, 16 bytes a thread (no stage: q's shared memory already holds the next q)
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = wg * 256 + j * 8 + (lane % 4) * 2;
-        *reinterpret_cast<uint32_t*>(stage + r * kStageStride + col * 2) =
-            Mma<T>::pack(o[j * 4 + i * 2] * fac, o[j * 4 + i * 2 + 1] * fac);
+      for (int a = 0; a < 8; ++a) {
+        uint32_t v[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[c] = Mma<T>::pack(o[(4 * a + c) * 4 + i * 2] * fac, o[(4 * a + c) * 4 + i * 2 + 1] * fac);
+        quad_transpose(v, quad);
+        if (ok) *reinterpret_cast<uint4*>(out + (4 * a + quad) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
       }
     }
-    if (wg == 0 && lane % 4 == 0) {
+    if (ok && wg == 0 && quad == 0) {
       const float mlog = fmaxf(mt[i], red_tmax[r]);
       p.max_logits[static_cast<long long>(qq) * p.h + head] = empty ? -INFINITY : mlog;
       p.lse[static_cast<long long>(qq) * p.h + head] = lse;
     }
   }
-  if constexpr (!kPartial) {
-    // this warpgroup's 256 value columns, 16 bytes a thread, a warp per 512-byte row half
-    if (wg == 0) {
-      asm volatile("bar.sync 7, 128;\n" ::: "memory");
-    } else {
-      asm volatile("bar.sync 8, 128;\n" ::: "memory");
-    }
-    const int t = tid % 128;
-#pragma unroll 4
-    for (int k = 0; k < kRows * 32 / 128; ++k) {
-      const int c = k * 128 + t, r = c / 32, u = c % 32;
-      const int head = hblock * p.hb + (r & (p.hb - 1)), qq = pr.q0 + (r >> lhb);
-      if (!(r < p.qp * p.hb && qq < p.s_q && head < p.h)) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kStageStride + wg * 512 + u * 16);
-      *reinterpret_cast<uint4*>(static_cast<OutT*>(p.out) + qq * p.stride_os + head * p.stride_oh + wg * 256 + u * 8) = v;
-    }
-  }
   if (tid == 0) QUILT_STAMP(k, 1);
-  mbar_arrive(bars.q_free());  // the stage (q's shared memory) may take the next program's q
 }
 
 // A consumer warpgroup's programs, until the producer hands over the end
