@@ -23,7 +23,6 @@ from quilt_attn import bench
 from quilt_attn.bench import Case, make_inputs, rotating, save
 from quilt_attn.ops import cuda_backend
 from quilt_attn.ops.sparse_attention import program_shape
-from quilt_attn.planner import plan as make_plan
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--out", required=True)
@@ -61,24 +60,21 @@ for case_s in a.cases.split(","):
     case = Case(wl, h, s_q=16384, s_kv=65536, topk=2048, dtype="bf16")
     inp = make_inputs(case)
     qp = program_shape(h, 8)[0]
-    pl = make_plan(inp.indices, s_kv=case.s_kv, merge_level=qp, split_private=False) if qp > 1 else None
-    kw = dict(plan=pl) if pl is not None else dict(indices=inp.indices)
+    work = bench.cuda_work(inp, h)
+    pl = work.get("plan")
     n_work = cuda_backend.work_items(h, case.s_q, pl)
-    q0, _ = inp.sets[0]
     outs, fns, case_rows = {}, {}, {}
     for name, lib, ctas_s, order in variants:
         ctas = n_work if ctas_s == "all" else (int(ctas_s) if ctas_s else None)
         prog_order = program_order(pl, qp, order) if pl is not None else None
-        out = torch.full((case.s_q, h, bench.D_V), float("nan"), dtype=q0.dtype, device=q0.device)
-        ml = torch.empty(case.s_q, h, dtype=torch.float32, device=q0.device)
-        lse = torch.empty_like(ml)
+        launch, out, ml, lse = bench.cuda_call(inp, h, work, _ctas=ctas)
 
-        def call(q, kv, out=out, ml=ml, lse=lse, ctas=ctas, lib=lib, prog_order=prog_order):
+        def call(q, kv, launch=launch, lib=lib, prog_order=prog_order):
             if cuda_backend._OVERRIDE != (None if lib is None else Path(lib)):
                 cuda_backend.use_library(lib)
             if prog_order is not None:  # (the cached order launch() reads)
                 pl._work[("order", min(qp, pl.group_size))] = prog_order
-            cuda_backend.launch(q, kv, bench.D_QK ** -0.5, out, ml, lse, _ctas=ctas, **kw)
+            launch(q, kv)
 
         call(*inp.sets[0])
         torch.cuda.synchronize()
@@ -103,7 +99,7 @@ for case_s in a.cases.split(","):
         print(f"{wl:<11} h={h:<4} {name:<20} {r['ms']:7.3f} ms  rounds {['%.3f' % x for x in r['rounds_ms']]}  "
               f"rel_err {r['rel_err']:.2e}  lse_err {r['lse_err']:.1e}  ml_err {r['max_logits_err']:.1e}  nan {r['nan']}  same as {first}: {r['bit_identical_to_first']}", flush=True)
     cuda_backend.use_library(None)
-    inp = pl = kw = outs = fns = None
+    inp = pl = work = outs = fns = None
     torch.cuda.empty_cache()
 
 save(rows, a.out, {"command": "python " + " ".join(sys.argv)})

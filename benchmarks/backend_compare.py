@@ -12,7 +12,7 @@ import torch
 
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill
-from quilt_attn.bench import Case, check, environment, make_inputs, save, time_ms, useful_flops
+from quilt_attn.bench import Case, check, make_inputs, save, time_ms, useful_flops
 from quilt_attn.ops.sparse_attention import program_shape
 
 p = argparse.ArgumentParser(description=__doc__)

@@ -26,12 +26,12 @@ import torch
 from quilt_attn import bench
 from quilt_attn.bench import Case, make_inputs, save
 from quilt_attn.ops import cuda_backend
-from quilt_attn.ops.sparse_attention import program_shape
-from quilt_attn.planner import plan as make_plan
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--out", required=True)
 p.add_argument("--cases", default="glm53-like:64,glm53-like:16")
+p.add_argument("--skip", type=int, default=0,
+               help="measurement only: 1 leaves out the kv gather, 2 the matrix products (output not checked)")
 a = p.parse_args()
 
 lib_path = cuda_backend.build(defines=("-DQUILT_TIMELINE",))
@@ -47,19 +47,16 @@ for spec in a.cases.split(","):
     case = Case(wl, h)
     inp = make_inputs(case, n_sets=1)
     q, kv = inp.sets[0]
-    qp = program_shape(h, 8)[0]
-    kw = dict(plan=make_plan(inp.indices, s_kv=case.s_kv, merge_level=qp, split_private=False)) if qp > 1 else \
-        dict(indices=inp.indices)
-    out = torch.full((case.s_q, h, bench.D_V), float("nan"), dtype=q.dtype, device=q.device)
-    ml, lse = torch.empty(case.s_q, h, device=q.device), torch.empty(case.s_q, h, device=q.device)
-    run = lambda: cuda_backend.launch(q, kv, bench.D_QK ** -0.5, out, ml, lse, **kw)  # noqa: E731
+    work = bench.cuda_work(inp, h)
+    call, out, ml, lse = bench.cuda_call(inp, h, work, _skip=a.skip)
+    run = lambda: call(q, kv)  # noqa: E731
     run()
     ms = bench.time_ms(run, warmup=10, rep=50)
     assert lib.quilt_sm90_timeline_reset() == 0
     out.fill_(float("nan"))
     run()
     torch.cuda.synchronize()
-    chk = bench.check(inp, out, ml, lse)
+    chk = bench.check(inp, out, ml, lse) if a.skip == 0 else dict(rel_err=float("nan"), nan=None)
     buf = np.zeros(n_cta * n_prog * n_slot, dtype=np.uint64)
     assert lib.quilt_sm90_timeline(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_ulonglong))) == 0
     t = buf.reshape(n_cta, n_prog, n_slot).astype(np.int64)
@@ -89,8 +86,9 @@ for spec in a.cases.split(","):
                 parts["block"].append((cur[0] - cur[3]) / (cur[7] - 1))
             parts["boundary"].append(cur[3] - prev[0])
     cyc_per_ms = statistics.median(spans) / ms  # a CTA's first-to-last stamp spans about the whole kernel
-    row = dict(workload=wl, h=h, ms=ms, rel_err=chk["rel_err"], nan=chk["nan"], cycles_per_us=cyc_per_ms / 1e3,
-               boundaries=len(parts["epilogue"]), backend="cuda", method="quilt" if qp > 1 else "query_parallel")
+    row = dict(workload=wl, h=h, skip=a.skip, ms=ms, rel_err=chk["rel_err"], nan=chk["nan"],
+               cycles_per_us=cyc_per_ms / 1e3, boundaries=len(parts["epilogue"]), backend="cuda",
+               method="quilt" if "plan" in work else "query_parallel")
     print(f"{wl} h={h}: {ms:.3f} ms, rel_err {chk['rel_err']:.2e}, nan {chk['nan']}, {row['boundaries']} boundaries, "
           f"~{cyc_per_ms / 1e3:.0f} cycles a us")
     for k, v in parts.items():

@@ -17,9 +17,6 @@ import torch
 
 from quilt_attn import bench
 from quilt_attn.bench import Case, make_inputs, save
-from quilt_attn.ops import cuda_backend
-from quilt_attn.ops.sparse_attention import program_shape
-from quilt_attn.planner import plan as make_plan
 
 FIELDS = ("clocks.sm", "power.draw", "power.limit", "temperature.gpu", "clocks_event_reasons.active")
 
@@ -51,12 +48,8 @@ for spec in a.cases.split(","):
     case = Case(wl, int(h))
     inp = make_inputs(case, n_sets=1)
     q, kv = inp.sets[0]
-    qp = program_shape(case.h, 8)[0]
-    kw = dict(plan=make_plan(inp.indices, s_kv=case.s_kv, merge_level=qp, split_private=False)) if qp > 1 else \
-        dict(indices=inp.indices)
-    out = torch.full((case.s_q, case.h, bench.D_V), float("nan"), dtype=q.dtype, device=q.device)
-    ml, lse = torch.empty(case.s_q, case.h, device=q.device), torch.empty(case.s_q, case.h, device=q.device)
-    run = lambda: cuda_backend.launch(q, kv, bench.D_QK ** -0.5, out, ml, lse, **kw)  # noqa: E731
+    call, out, ml, lse = bench.cuda_call(inp, case.h, bench.cuda_work(inp, case.h))
+    run = lambda: call(q, kv)  # noqa: E731
     run()
     torch.cuda.synchronize()
     chk = bench.check(inp, out, ml, lse)

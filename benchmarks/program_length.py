@@ -13,7 +13,6 @@ import torch
 
 from quilt_attn import bench
 from quilt_attn.bench import Case, make_inputs, rotating, save
-from quilt_attn.ops import cuda_backend
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--out", required=True)
@@ -28,14 +27,7 @@ for wl in a.workloads.split(","):
         s_q, topk = (int(x) for x in shape.split(":"))
         case = Case(wl, a.h, s_q=s_q, s_kv=65536, topk=topk)
         inp = make_inputs(case)
-        q0 = inp.sets[0][0]
-        out = torch.full((s_q, a.h, bench.D_V), float("nan"), dtype=q0.dtype, device=q0.device)
-        ml = torch.empty(s_q, a.h, dtype=torch.float32, device=q0.device)
-        lse = torch.empty_like(ml)
-
-        def call(q, kv, out=out, ml=ml, lse=lse, idx=inp.indices):
-            cuda_backend.launch(q, kv, bench.D_QK ** -0.5, out, ml, lse, indices=idx)
-
+        call, out, ml, lse = bench.cuda_call(inp, a.h, dict(indices=inp.indices))
         call(*inp.sets[0])
         torch.cuda.synchronize()
         chk = bench.check(inp, out, ml, lse)

@@ -100,6 +100,36 @@ def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: i
     return res
 
 
+def cuda_work(inputs: Inputs, h: int) -> dict:
+    """The CUDA kernel's work argument for ``inputs`` at ``h`` heads, as the backend runs it: below 64 heads a
+    plan at merge level ``64 // h`` (``plan=``, query programs of that many queries), else ``indices=``."""
+    from .ops.sparse_attention import program_shape
+    from .planner import plan as make_plan
+
+    qp = program_shape(h, 8)[0]
+    if qp > 1:
+        return dict(plan=make_plan(inputs.indices, s_kv=inputs.case.s_kv, merge_level=qp, split_private=False))
+    return dict(indices=inputs.indices)
+
+
+def cuda_call(inputs: Inputs, h: int, work: dict, **launch_kw):
+    """``(call, out, max_logits, lse)`` for the tools that time the CUDA kernel directly: ``call(q, kv)``
+    launches it on one input set with ``work`` (``cuda_work``) and ``launch_kw`` (``_skip``, ``_ctas``) into
+    these outputs; ``out`` starts NaN-poisoned, so an element the kernel leaves unwritten fails ``check``."""
+    from .ops import cuda_backend
+
+    q0 = inputs.sets[0][0]
+    s_q = q0.shape[0]
+    out = torch.full((s_q, h, D_V), float("nan"), dtype=q0.dtype, device=q0.device)
+    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q0.device)
+    lse = torch.empty_like(max_logits)
+
+    def call(q, kv):
+        cuda_backend.launch(q, kv, D_QK ** -0.5, out, max_logits, lse, **work, **launch_kw)
+
+    return call, out, max_logits, lse
+
+
 def time_ms(fn, warmup: int = 50, rep: int = 300) -> float:
     """Median ms of ``fn`` by ``triton.testing.do_bench`` (warmup / rep in ms).
 

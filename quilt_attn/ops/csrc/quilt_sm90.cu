@@ -241,6 +241,20 @@ __device__ __forceinline__ Program program_of(const Params& p, int w, int& hbloc
   return pr;
 }
 
+// Matrix row r (0..63) of a program: query q0 + r / hb, head hblock * hb + r % hb (hb a power of two: lhb
+// is its log2, shifts instead of divisions); ok is false for padding rows and rows past s_q or h.
+struct RowOf {
+  int qq, head;
+  bool ok;
+};
+__device__ __forceinline__ RowOf row_of(const Params& p, const Program& pr, int hblock, int lhb, int r) {
+  RowOf x;
+  x.head = hblock * p.hb + (r & (p.hb - 1));
+  x.qq = pr.q0 + (r >> lhb);
+  x.ok = r < p.qp * p.hb && x.qq < p.s_q && x.head < p.h;
+  return x;
+}
+
 // ------------------------------------------------------------------------------ producer
 // Warpgroup 2 gathers: 8 threads cover one row's 128-byte chunk (a warp request = 4 whole chunks),
 // thread group g (0..15) owns slots g, g+16, g+32, g+48 of both tiles of a block. Halves go in
@@ -302,11 +316,10 @@ __device__ __forceinline__ void hand_over(const Params& p, int w, const Program&
 #pragma unroll 1
     for (int j = 0; j < 4; ++j) {  // (not unrolled: the producer has 72 registers)
       const int r = g + 16 * j;
-      const int head = hblock * p.hb + (r & (p.hb - 1)), qq = pr.q0 + (r >> lhb);
-      const bool ok = r < p.qp * p.hb && qq < p.s_q && head < p.h;
-      const T* src = q + (ok ? qq * p.stride_qs + head * p.stride_qh : 0) + unit * 8;
+      const RowOf x = row_of(p, pr, hblock, lhb, r);
+      const T* src = q + (x.ok ? x.qq * p.stride_qs + x.head * p.stride_qh : 0) + unit * 8;
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) cp_async16(dst0 + c * kChunkBytes + swz(r, unit), src + c * 64, ok);
+      for (int c = 0; c < kChunks; ++c) cp_async16(dst0 + c * kChunkBytes + swz(r, unit), src + c * 64, x.ok);
     }
 #ifdef QUILT_SANITIZER_SYNC
     cp_async_commit();
@@ -755,8 +768,9 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = r0 + 8 * i;
-    const int head = hblock * p.hb + (r & (p.hb - 1)), qq = pr.q0 + (r >> lhb);
-    const bool ok = r < p.qp * p.hb && qq < p.s_q && head < p.h;  // (a quad's rows agree: shuffles below)
+    const RowOf x = row_of(p, pr, hblock, lhb, r);  // (a quad's four lanes share the row: shuffles below)
+    const int qq = x.qq, head = x.head;
+    const bool ok = x.ok;
     const float lt = red_sum[r] + red_sum[kRows + r];
     const bool empty = lt == 0.f;
     const float lse = empty ? INFINITY : m[i] + log2f(lt);
