@@ -150,12 +150,15 @@ def test_cuda_odd_head_counts(h, nan_poison):
 @pytest.mark.parametrize("h,use_plan", [(16, True), (100, False)])
 def test_cuda_persistent_ctas_hand_over_programs(h, use_plan):
     """A CTA runs program after program (q, barrier phases and the work counter carried over): any CTA
-    count gives the reference result, bit-identical to one CTA a work item."""
+    count gives the reference result, bit-identical to one CTA a work item. Empty programs (no tiles: q's
+    shared memory is released by the epilogue instead of the last QK) sit between full ones."""
     from quilt_attn.ops.sparse_attention import program_shape
 
     q, kv, idx = _inputs(h, s_q=200)  # s_q not a multiple of the group: a partial last group
     idx[7, :100] = -1  # a short list, and rows past the context
     idx[9, 5] = kv.shape[0] + 2
+    idx[11] = -1  # an empty query (a query program without tiles)
+    idx[16:24] = -1  # an empty group of 8 (plan programs without tiles)
     qp = program_shape(h, 8)[0]
     kw = dict(plan=make_plan(idx, s_kv=kv.shape[0], merge_level=qp, split_private=False)) if use_plan else \
         dict(indices=idx)
