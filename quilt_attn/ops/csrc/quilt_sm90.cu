@@ -751,13 +751,18 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
     stamp(k, 7, static_cast<unsigned long long>(n_blocks));
 #endif
   }
+  // this thread's rows again, from a thread index read here: ptxas hoisted the rows' query / head to the
+  // consumer's start and spilled them across the block loop (reloaded from local memory in every epilogue)
+  int tid_here;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_here));
+  const int r0e = (tid_here % 128) / 32 * 16 + (tid_here % 32) / 4;  // = r0
   // the two warpgroups' row sums -> l (both hold the same reference max); normalize and write
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffff, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
-    if (lane % 4 == 0) red_sum[wg * kRows + r0 + 8 * i] = l[i];
-    if (wg == 1 && lane % 4 == 0) red_tmax[r0 + 8 * i] = mt[i];
+    if (lane % 4 == 0) red_sum[wg * kRows + r0e + 8 * i] = l[i];
+    if (wg == 1 && lane % 4 == 0) red_tmax[r0e + 8 * i] = mt[i];
   }
   bar_sync<kBarSum>();
   if (tid == 0) QUILT_STAMP(k, 8);
@@ -767,7 +772,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
   const int quad = lane % 4;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int r = r0 + 8 * i;
+    const int r = r0e + 8 * i;
     const RowOf x = row_of(p, pr, hblock, lhb, r);  // (a quad's four lanes share the row: shuffles below)
     const int qq = x.qq, head = x.head;
     const bool ok = x.ok;
