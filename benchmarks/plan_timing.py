@@ -4,9 +4,10 @@ masks) and, with ``--torch``, the torch planner, at s_q 16384 over a 65536-token
 Configurations are the ones the attention backends plan with: group 8, tile 64, merge level 64 // h
 (h = 8: merge 8; h = 16: merge 4, private rows split off as Triton runs them, or kept as CUDA runs them),
 and the paper's full cascade (merge 1). Every plan is compared field by field with the Triton bitmap
-plan of the same configuration; ``alloc`` times ``plan_buffers`` alone (the output tensors' fills,
-part of every planner's time). Times: median of ``triton.testing.do_bench``; the indices (128 MB,
-larger than L2) are built outside the timed region.
+plan of the same configuration; ``alloc`` times ``plan_buffers`` alone as that backend calls it, part of
+its planner's time (Triton: the tile arrays filled with their unused-slot values; CUDA: left uninitialized,
+the kernel writes every slot; the torch planner builds its own). Times: median of
+``triton.testing.do_bench``; the indices (128 MB, larger than L2) are built outside the timed region.
 
 Usage: PYTHONPATH=$PWD python benchmarks/plan_timing.py --out $OUT/plan_timing.json [--workloads glm53-like,random]
 """
@@ -53,8 +54,10 @@ def main() -> None:
             variants = [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")]
             if args.torch:
                 variants.append(("torch", "bitmap"))
-            alloc_ms = time_ms(lambda: plan_buffers(S_Q, TOPK, G, M, 64, split, idx.device), warmup=5, rep=40)
+            alloc = {filled: time_ms(lambda: plan_buffers(S_Q, TOPK, G, M, 64, split, idx.device, filled=filled),
+                                     warmup=5, rep=40) for filled in (True, False)}
             for backend, method in variants:
+                alloc_ms = alloc[backend != "cuda"]
                 f = lambda: plan(idx, backend=backend, method=method, **kw)  # noqa: E731
                 got = f()
                 torch.cuda.synchronize()
