@@ -11,8 +11,8 @@
 //   consumer warpgroup 1: S = Q K1^T, softmax against warpgroup 0's new max, then
 //                         O[:, 256:512] += P1 V1 (registers) + P0 V0 (shared memory)
 // The two QK products run at the same time; the row max is handed 0 -> 1 -> 0 through shared
-// memory (warpgroup 0 stores P0 at its own max and again, rescaled, only where warpgroup 1 moved it). The "max" is a
-// lazy reference: it moves only when a tile exceeds it by more than 2^8, so O and l are rarely
+// memory (warpgroup 0 stores P0 at its own max, and again, rescaled, only where warpgroup 1 moved it). The
+// "max" is a lazy reference: it moves only when a tile exceeds it by more than 2^8, so O and l are rarely
 // rescaled (next_max; the true max is tracked apart for max_logits). A producer
 // warpgroup gathers rows with 16-byte cp.async (zero-filled for invalid rows) in quarter tiles:
 // each buffer's value half 0 (chunks 0-3) and half 1 (chunks 4-8) has its own ready / free
@@ -565,8 +565,8 @@ __device__ __forceinline__ void softmax_publish_pv(float (&s)[32], float (&o)[12
   bar_arrive<kBarDone>();
   const float one[2] = {1.f, 1.f};
   pack_p<T>(pk, s, one);
-  // warpgroup 0 stores P0 for warpgroup 1's P0 V0 now, at its own max: the block's max rarely moves (next_max), and
-  // the store is then off the hand-off path (measured -0.3 to -3%)
+  // warpgroup 0 stores P0 for warpgroup 1's P0 V0 now, at its own max: the block's max rarely moves
+  // (next_max), and the store is then off the hand-off path (measured -0.3 to -3%)
   if constexpr (kBarDone == kBarMax0) store_p<T>(smem, kSmemP0, pk, r0, lane);
   wgmma_fence();
   if (kMma && own_tile) pv_regs<T>(o, pk, skv, wg);
@@ -798,7 +798,9 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
       for (int a = 0; a < 8; ++a) {
         uint32_t v[4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) v[c] = Mma<T>::pack(o[(4 * a + c) * 4 + i * 2] * fac, o[(4 * a + c) * 4 + i * 2 + 1] * fac);
+        for (int c = 0; c < 4; ++c) {
+          v[c] = Mma<T>::pack(o[(4 * a + c) * 4 + i * 2] * fac, o[(4 * a + c) * 4 + i * 2 + 1] * fac);
+        }
         quad_transpose(v, quad);
         if (ok) *reinterpret_cast<uint4*>(out + (4 * a + quad) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
       }
