@@ -93,39 +93,35 @@ __device__ __forceinline__ unsigned flag_get(const unsigned* keys, const unsigne
   }
 }
 
-// Exclusive block-wide prefix sum of packed 16-bit counters (no field overflows: <= 16384 entries).
-__device__ __forceinline__ unsigned long long block_excl_scan(unsigned long long v, unsigned long long* wsum) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+// Prefix of ``v`` (packed 16-bit counters, no field overflows: <= 16384 entries) inside this thread's
+// member list, exclusive, and the member's total (also left in ``mtot[k]``). Members are whole warps
+// (tpm a multiple of 32), so after one barrier every warp sums the totals of the warps before it itself
+// (two 5-step reductions) instead of waiting on a second barrier for one warp's scan of them. ``wsum``
+// alternates between two halves (``parity``): a warp may start the next scan while a slower one still
+// reads this one's totals, and every thread passes a barrier of the next scan before the one after.
+__device__ __forceinline__ unsigned long long member_scan(unsigned long long v, int k, int tpm, unsigned long long* wsum,
+                                                          int parity, unsigned long long* mtot,
+                                                          unsigned long long& total) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, w0 = k * (tpm >> 5), w1 = w0 + (tpm >> 5);
+  unsigned long long* ws = wsum + 32 * parity;
   unsigned long long x = v;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const unsigned long long y = __shfl_up_sync(0xFFFFFFFFu, x, d);
     if (lane >= d) x += y;
   }
-  if (lane == 31) wsum[w] = x;
+  if (lane == 31) ws[w] = x;
   __syncthreads();
-  if (w == 0) {
-    unsigned long long t = lane < nw ? wsum[lane] : 0ull;
+  const unsigned long long t = lane < (blockDim.x >> 5) ? ws[lane] : 0ull;
+  unsigned long long before = lane >= w0 && lane < w ? t : 0ull, all = lane >= w0 && lane < w1 ? t : 0ull;
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const unsigned long long y = __shfl_up_sync(0xFFFFFFFFu, t, d);
-      if (lane >= d) t += y;
-    }
-    if (lane < nw) wsum[lane] = t;
+  for (int d = 16; d > 0; d >>= 1) {
+    before += __shfl_xor_sync(0xFFFFFFFFu, before, d);
+    all += __shfl_xor_sync(0xFFFFFFFFu, all, d);
   }
-  __syncthreads();
-  return x - v + (w ? wsum[w - 1] : 0ull);
-}
-
-// Prefix of ``v`` inside this thread's member list; ``memb[k]`` / ``memb[k + 1]`` bound the member's
-// prefix afterwards (member totals are their difference).
-__device__ __forceinline__ unsigned long long member_scan(unsigned long long v, int k, int tpm,
-                                                          unsigned long long* wsum, unsigned long long* memb) {
-  const unsigned long long ex = block_excl_scan(v, wsum);
-  if (threadIdx.x % tpm == 0) memb[k] = ex;
-  if (threadIdx.x == blockDim.x - 1) memb[blockDim.x / tpm] = ex + v;
-  __syncthreads();
-  return ex - memb[k];
+  if (threadIdx.x % tpm == 0) mtot[k] = all;
+  total = all;
+  return before + x - v;
 }
 
 // Largest aligned block holding member k whose members all selected the row (mask m): blocks nest,
@@ -175,8 +171,8 @@ __device__ __forceinline__ int column_field(unsigned lvl, unsigned m, const Memb
 template <int G>
 __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ unsigned long long wsum[32];
-  __shared__ unsigned long long memb[G + 1];
+  __shared__ unsigned long long wsum[2 * 32];
+  __shared__ unsigned long long mtot[G];  // member totals of the last scan
   __shared__ int seg_off[kMaxSeg + 1], seg_n[kMaxSeg], seg_lvl[kMaxSeg], seg_bits[kMaxSeg];
   __shared__ int mstart[G];
   __shared__ int n_valid, n_seg;
@@ -250,15 +246,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   // 3. tile-aware clipping, top level first: a block's representative (its first member) pushes the
   //    r lowest-ranked rows of its level-L segment down when r = n % T is below the threshold; the
   //    other members learn which rows moved from the pushed-row set
-  int e = 0;
+  int e = 0, scans = 0;  // (member scans so far: their wsum half)
 #pragma unroll 1
   for (int L = G; L >= 2 && L >= M; L /= 2, ++e) {
     unsigned c = 0;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) c += get_lvl(lv, i) == static_cast<unsigned>(L);
-    const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, memb));
+    unsigned long long tot;
+    const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, scans++ & 1, mtot, tot));
     const unsigned fbit = 1u << ((1 << e) - 1 + (k >> ilog2(L)));  // flag of (level, block)
-    const unsigned n = static_cast<unsigned>(memb[k + 1] - memb[k]), r = n % T;
+    const unsigned n = static_cast<unsigned>(tot), r = n % T;
     const bool push = (k & (L - 1)) == 0 && r > 0u && static_cast<float>(r) < p.thr;
     if (__syncthreads_or(push)) {
       int rows[kEpt];
@@ -303,8 +300,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       }
       pmask |= static_cast<unsigned>(priv) << i;
     }
-    unsigned pos = static_cast<unsigned>(member_scan(__popc(pmask), k, tpm, wsum, memb));
-    const unsigned n = static_cast<unsigned>(memb[k + 1] - memb[k]), r = n % T;
+    unsigned long long tot;
+    unsigned pos = static_cast<unsigned>(member_scan(__popc(pmask), k, tpm, wsum, scans++ & 1, mtot, tot));
+    const unsigned n = static_cast<unsigned>(tot), r = n % T;
     const bool clip = p.iclip && r > 0u && static_cast<float>(r) < p.thr;
     const unsigned keep_n = n - (clip ? r : 0u);
 #pragma unroll
@@ -343,7 +341,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 #pragma unroll
     for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(count_nibbles(lv, ff)) << (16 * ff);
   }
-  const unsigned long long mine = member_scan(c64, k, tpm, wsum, memb);  // this member's columns before mine
+  unsigned long long tot64;
+  // this member's columns before mine
+  const unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, mtot, tot64);
+  __syncthreads();  // (mtot, read below)
   constexpr int kLevels = ilog2_c(G) + 1;
   const int n_lev = ilog2(G) - ilog2(M) + 1;  // level fields 0 .. n_lev - 1; merged: field 3
   if (tid < 32) {  // one lane a segment: its rows, tiles and place (levels G .. M by block, then merged blocks)
@@ -351,13 +352,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     int n = 0, lvl = 0, bits = 0;
     if (lane < n_lvl_seg) {
       const int f = ilog2(lane + 1), b = lane + 1 - (1 << f), L = G >> f;
-      n = static_cast<int>(field(memb[b * L + 1] - memb[b * L], f));
+      n = static_cast<int>(field(mtot[b * L], f));
       lvl = L, bits = ((1 << L) - 1) << (b * L);
     } else if (lane < ns) {
       const int b = lane - n_lvl_seg;
       for (int j = 0; j < M; ++j) {
         mstart[b * M + j] = n;
-        n += static_cast<int>(field(memb[b * M + j + 1] - memb[b * M + j], 3));
+        n += static_cast<int>(field(mtot[b * M + j], 3));
       }
       bits = ((1 << M) - 1) << (b * M);
     }
