@@ -190,6 +190,26 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   const Member me(k, M);
   const Blocks<G> blocks(k);
 
+  // this thread's list entries, loaded first: their latency runs under the table clear below
+  int ent[kEpt];
+  {
+    int lim = 0;
+    if (q < p.s_q) {
+      lim = p.topk;
+      if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
+    }
+    const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
+    if (j0 + kEpt <= lim && (reinterpret_cast<uintptr_t>(list + j0) & 15u) == 0u) {
+#pragma unroll
+      for (int i = 0; i < kEpt; i += 4) {
+        const int4 v = __ldg(reinterpret_cast<const int4*>(list + j0 + i));
+        ent[i] = v.x, ent[i + 1] = v.y, ent[i + 2] = v.z, ent[i + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) ent[i] = j0 + i < lim ? __ldg(list + j0 + i) : -1;
+    }
+  }
   {  // clear the flag set and the member table (16-byte stores)
     const int n16 = ((8 << p.log_flags) + p.s_kv + 15) / 16;
     uint4* z = reinterpret_cast<uint4*>(fkeys);
@@ -201,23 +221,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   // 1. membership: every valid entry ORs its member bit into its row's byte
   unsigned long long lv = 0ull;  // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
   {
-    int lim = 0;
-    if (q < p.s_q) {
-      lim = p.topk;
-      if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
-    }
-    const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
-    int rows[kEpt];
-    if (j0 + kEpt <= lim && (reinterpret_cast<uintptr_t>(list + j0) & 15u) == 0u) {
-#pragma unroll
-      for (int i = 0; i < kEpt; i += 4) {
-        const int4 v = __ldg(reinterpret_cast<const int4*>(list + j0 + i));
-        rows[i] = v.x, rows[i + 1] = v.y, rows[i + 2] = v.z, rows[i + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kEpt; ++i) rows[i] = j0 + i < lim ? __ldg(list + j0 + i) : -1;
-    }
+    int (&rows)[kEpt] = ent;
     int cnt = 0;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
