@@ -1,0 +1,34 @@
+"""The benchmark helpers the kernel tools share (CPU: the work argument; the launch itself needs the GPU)."""
+import pytest
+import torch
+
+from quilt_attn.bench import Case, cuda_call, cuda_work, make_inputs
+
+
+def _inputs(h):
+    return make_inputs(Case("glm53-like", h, s_q=32, s_kv=512, topk=128, dtype="fp16"), n_sets=1, device="cpu")
+
+
+@pytest.mark.parametrize("h,merge", [(8, 8), (16, 4), (32, 2)])
+def test_cuda_work_plans_below_64_heads_at_merge_level_64_over_h(h, merge):
+    inp = _inputs(h)
+    work = cuda_work(inp, h)
+    assert list(work) == ["plan"]
+    pl = work["plan"]
+    assert (pl.merge_level, pl.group_size, pl.s_q, pl.topk) == (merge, 8, 32, 128)
+    assert not pl.split_private  # the CUDA kernel runs every tile as a 64-row product
+
+
+@pytest.mark.parametrize("h", [64, 128])
+def test_cuda_work_runs_query_programs_from_64_heads(h):
+    inp = _inputs(h)
+    work = cuda_work(inp, h)
+    assert list(work) == ["indices"] and work["indices"] is inp.indices
+
+
+def test_cuda_call_poisons_its_outputs():
+    inp = _inputs(16)
+    call, out, max_logits, lse = cuda_call(inp, 16, dict(indices=inp.indices))
+    assert callable(call)
+    assert out.shape == (32, 16, 512) and out.dtype == torch.float16 and bool(out.isnan().all())
+    assert max_logits.shape == lse.shape == (32, 16) and max_logits.dtype == lse.dtype == torch.float32
