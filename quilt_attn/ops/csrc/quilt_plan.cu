@@ -99,9 +99,9 @@ __device__ __forceinline__ unsigned flag_get(const unsigned* keys, const unsigne
 // (two 5-step reductions) instead of waiting on a second barrier for one warp's scan of them. ``wsum``
 // alternates between two halves (``parity``): a warp may start the next scan while a slower one still
 // reads this one's totals, and every thread passes a barrier of the next scan before the one after.
-__device__ __forceinline__ unsigned long long member_scan(unsigned long long v, int k, int tpm, unsigned long long* wsum,
-                                                          int parity, unsigned long long* mtot,
-                                                          unsigned long long& total) {
+__device__ __forceinline__ unsigned long long member_scan(unsigned long long v, int k, int tpm,
+                                                          unsigned long long* wsum, int parity,
+                                                          unsigned long long* mtot, unsigned long long& total) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, w0 = k * (tpm >> 5), w1 = w0 + (tpm >> 5);
   unsigned long long* ws = wsum + 32 * parity;
   unsigned long long x = v;
