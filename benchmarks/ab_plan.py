@@ -2,7 +2,7 @@
 
 A variant is ``name=library`` (a prebuilt kernel library; ``package``: this checkout's build). Each round
 times every variant's ``plan()`` (median of ``triton.testing.do_bench``), alternating the order between
-rounds; every plan is compared field by field with the first variant's. s_q 16384, s_kv 65536, topk 2048,
+rounds; every plan is compared tensor field by tensor field with the first variant's. s_q 16384, s_kv 65536, topk 2048,
 group 8, tile 64; the indices are built outside the timed region.
 
     python benchmarks/ab_plan.py --out ab.json --variants old=/path/old.so,new=package
@@ -12,14 +12,10 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
-from quilt_attn.bench import save, time_ms
+from quilt_attn.bench import plans_equal, save, time_ms
 from quilt_attn.ops import cuda_backend
 from quilt_attn.planner import plan as make_plan
 from quilt_attn.workloads import generate
-
-FIELDS = ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "dropped")
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--out", required=True)
@@ -41,7 +37,7 @@ for case in a.cases.split(","):
         pl = make_plan(idx, **kw)
         if ref is None:
             ref = pl
-        same[name] = all(torch.equal(getattr(pl, f), getattr(ref, f)) for f in FIELDS)
+        same[name] = plans_equal(pl, ref)
     for rnd in range(a.rounds):
         for name, lib in (variants if rnd % 2 == 0 else variants[::-1]):
             cuda_backend.use_library(None if lib == "package" else Path(lib))

@@ -18,25 +18,15 @@ import argparse
 import torch
 
 from quilt_attn import plan
-from quilt_attn.bench import save, time_ms
+from quilt_attn.bench import plans_equal, save, time_ms
 from quilt_attn.planner.plan import plan_buffers
 from quilt_attn.workloads import generate
 
 S_Q, S_KV, TOPK = 16384, 65536, 2048
-FIELDS = ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "dropped", "priv_idx",
-          "priv_n", "valid_pairs")
 CONFIGS = [  # (label, group_size, merge_level, split_private)
     ("h8", 8, 8, False), ("h16-cuda", 8, 4, False), ("h16-triton", 8, 4, True), ("full-cascade", 8, 1, False),
     ("G4", 4, 4, False),
 ]
-
-
-def same_plan(a, b) -> bool:
-    for f in FIELDS:
-        x, y = getattr(a, f), getattr(b, f)
-        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
-            return False
-    return True
 
 
 def main() -> None:
@@ -65,7 +55,7 @@ def main() -> None:
                 st = got.stats
                 rows.append({"workload": wl, "config": label, "group_size": G, "merge_level": M,
                              "split_private": split, "backend": backend, "method": method, "ms": ms,
-                             "alloc_ms": alloc_ms, "same_as_triton_bitmap": same_plan(got, ref),
+                             "alloc_ms": alloc_ms, "same_as_triton_bitmap": plans_equal(got, ref),
                              "tiles": st["tiles"], "rows_processed": st["rows_processed"],
                              "reduction": st["reduction"]})
                 r = rows[-1]

@@ -6,6 +6,7 @@ against the float32 reference on a sample of queries in the same run.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -98,6 +99,16 @@ def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: i
            "max_logits_err": (max_logits[rows] - rm)[fin_m].abs().max().item() if fin_m.any() else 0.0,
            "nan": bool(torch.isnan(out[rows]).any().item())}
     return res
+
+
+def plans_equal(a, b) -> bool:
+    """Whether two plans hold the same tensors, field by field (a field None in one and not the other differs)."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+    return True
 
 
 def cuda_work(inputs: Inputs, h: int) -> dict:

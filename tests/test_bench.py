@@ -32,3 +32,17 @@ def test_cuda_call_poisons_its_outputs():
     assert callable(call)
     assert out.shape == (32, 16, 512) and out.dtype == torch.float16 and bool(out.isnan().all())
     assert max_logits.shape == lse.shape == (32, 16) and max_logits.dtype == lse.dtype == torch.float32
+
+
+def test_plans_equal_compares_every_tensor_field():
+    from quilt_attn import plan as make_plan
+    from quilt_attn.bench import plans_equal
+
+    idx = _inputs(8).indices
+    a = make_plan(idx, s_kv=512, merge_level=8, backend="torch")
+    assert plans_equal(a, make_plan(idx, s_kv=512, merge_level=8, backend="torch"))
+    b = make_plan(idx, s_kv=512, merge_level=8, backend="torch")
+    b.tile_mask[0, 0, 0] += 1
+    assert not plans_equal(a, b)
+    split = make_plan(idx, s_kv=512, merge_level=8, split_private=True, backend="torch")
+    assert a.priv_idx is None and split.priv_idx is not None and not plans_equal(a, split)
