@@ -1,9 +1,10 @@
 """Kernel variants of the CUDA backend timed against each other on the same inputs, interleaved.
 
-A variant is ``name=library[@ctas][#order]``: a prebuilt kernel library (``package``: this checkout's
+A variant is ``name=library[@ctas][#order][%group]``: a prebuilt kernel library (``package``: this checkout's
 build), optionally a CTA count (``all``: one CTA a work item, what a non-persistent launch does; default
 one an SM) and, for plans, the order programs are handed out in (``lpt``: the plan's, longest first;
-``group_lpt``: groups longest first, a group's programs together; ``natural``: query order). Every variant is checked against the float32 reference on sampled queries (NaN-poisoned
+``group_lpt``: groups longest first, a group's programs together; ``natural``: query order) and the plan's
+group size (default 8; merge level: the queries a program holds). Every variant is checked against the float32 reference on sampled queries (NaN-poisoned
 outputs first) and compared bit for bit with the first. The variants alternate, each round in the
 other order: clock and thermal drift between timings otherwise favour whichever runs first (a fixed
 order showed +-7% that the alternating rounds did not). A row's ms is the median of its rounds.
@@ -11,6 +12,7 @@ Shape: s_q 16384, s_kv 65536, topk 2048, bf16; inputs rotate over two sets large
 
     python benchmarks/ab_cuda.py --out ab.json --variants old=/path/v4a.so,new=package
     python benchmarks/ab_cuda.py --out ab.json --variants one_cta_a_work_item=package@all,persistent=package
+    python benchmarks/ab_cuda.py --out ab.json --cases glm53-like:16 --variants g8=package%8,g4=package%4
 """
 import argparse
 import statistics
@@ -36,9 +38,10 @@ a = p.parse_args()
 variants = []
 for spec in a.variants.split(","):
     name, lib = spec.split("=", 1)
+    lib, _, group = lib.partition("%")
     lib, _, order = lib.partition("#")
     lib, _, ctas = lib.partition("@")
-    variants.append((name, None if lib == "package" else lib, ctas or None, order or "lpt"))
+    variants.append((name, None if lib == "package" else lib, ctas or None, order or "lpt", int(group or 8)))
 
 
 def program_order(pl, qp, order):
@@ -59,17 +62,17 @@ for case_s in a.cases.split(","):
     h = int(h)
     case = Case(wl, h, s_q=16384, s_kv=65536, topk=2048, dtype="bf16")
     inp = make_inputs(case)
-    qp = program_shape(h, 8)[0]
-    work = bench.cuda_work(inp, h)
-    pl = work.get("plan")
-    n_work = cuda_backend.work_items(h, case.s_q, pl)
+    works = {G: bench.cuda_work(inp, h, G) for G in sorted({v[4] for v in variants})}
     outs, fns, case_rows = {}, {}, {}
-    for name, lib, ctas_s, order in variants:
+    for name, lib, ctas_s, order, G in variants:
+        qp, work = program_shape(h, G)[0], works[G]
+        pl = work.get("plan")
+        n_work = cuda_backend.work_items(h, case.s_q, pl)
         ctas = n_work if ctas_s == "all" else (int(ctas_s) if ctas_s else None)
         prog_order = program_order(pl, qp, order) if pl is not None else None
         launch, out, ml, lse = bench.cuda_call(inp, h, work, _ctas=ctas)
 
-        def call(q, kv, launch=launch, lib=lib, prog_order=prog_order):
+        def call(q, kv, launch=launch, lib=lib, prog_order=prog_order, pl=pl, qp=qp):
             if cuda_backend._OVERRIDE != (None if lib is None else Path(lib)):
                 cuda_backend.use_library(lib)
             if prog_order is not None:  # (the cached order launch() reads)
@@ -84,6 +87,7 @@ for case_s in a.cases.split(","):
         case_rows[name] = dict(
             method="quilt" if pl is not None else "query_parallel", backend="cuda", workload=wl, kv="bf16", h=h,
             s_q=case.s_q, s_kv=case.s_kv, topk=case.topk, variant=name, lib=lib or "package", order=order,
+            group_size=G if pl is not None else 1, merge_level=qp if pl is not None else 1,
             ctas=min(n_work, ctas or torch.cuda.get_device_properties(0).multi_processor_count), n_work=n_work,
             rel_err=chk["rel_err"], lse_err=chk["lse_err"], max_logits_err=chk["max_logits_err"], nan=chk["nan"],
             rounds_ms=[])
@@ -99,7 +103,7 @@ for case_s in a.cases.split(","):
         print(f"{wl:<11} h={h:<4} {name:<20} {r['ms']:7.3f} ms  rounds {['%.3f' % x for x in r['rounds_ms']]}  "
               f"rel_err {r['rel_err']:.2e}  lse_err {r['lse_err']:.1e}  ml_err {r['max_logits_err']:.1e}  nan {r['nan']}  same as {first}: {r['bit_identical_to_first']}", flush=True)
     cuda_backend.use_library(None)
-    inp = pl = work = outs = fns = None
+    inp = pl = work = works = outs = fns = None
     torch.cuda.empty_cache()
 
 save(rows, a.out, {"command": "python " + " ".join(sys.argv)})

@@ -13,7 +13,7 @@ import torch
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill
 from quilt_attn.bench import Case, check, make_inputs, save, time_ms, useful_flops
-from quilt_attn.ops.sparse_attention import program_shape
+from quilt_attn.ops.sparse_attention import default_group_size, program_shape
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--out", required=True)
@@ -30,12 +30,14 @@ for spec in a.cases.split(","):
     inp = make_inputs(Case(wl, h, kv=a.kv, s_q=a.s_q))
     for backend in a.backends.split(","):
         for method in ("query_parallel", "quilt"):
-            qp = program_shape(h, 8)[0]
+            G = default_group_size(h)  # sparse_prefill's plan settings
+            qp = program_shape(h, G)[0]
             if method == "quilt" and qp == 1:
                 continue  # one query fills a 64-row tile: QUILT is query-parallel here
             kw = dict(method=method, backend=backend)
             if method == "quilt":
-                kw["plan"] = make_plan(inp.indices, s_kv=65536, merge_level=qp, split_private=backend == "triton")
+                kw["plan"] = make_plan(inp.indices, s_kv=65536, group_size=G, merge_level=qp,
+                                       split_private=backend == "triton")
                 kw["fallback"] = False
             state = {"i": 0}
 

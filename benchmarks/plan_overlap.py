@@ -1,7 +1,7 @@
 """Does planning chunk i+1 on a side stream while chunk i attends hide the planner? (issue 3)
 
 For each (workload, h) at s_q 16384, s_kv 65536, Top-2048, bf16, and each attention backend, with the
-API's default plan settings for that backend (group 8, tile 64, merge level 64 // h, clip threshold 0.5;
+API's default plan settings for that backend (group and merge level 64 // h, tile 64, clip threshold 0.5;
 private rows split off on Triton, not on CUDA, whose tiles are all 64-row products):
 
   attn          (a) attention alone, prebuilt unchunked plan
@@ -35,7 +35,7 @@ import quilt_attn.planner.triton_plan as triton_plan
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill, sparse_prefill_pipelined
 from quilt_attn.bench import Case, check, make_inputs, rotating, save, time_ms
-from quilt_attn.ops.sparse_attention import program_shape, runs_quilt
+from quilt_attn.ops.sparse_attention import default_group_size, program_shape, runs_quilt
 from quilt_attn.pipeline import plan_chunks
 
 WARMUP_MS, REP_MS = 25, 200  # per timing; 4 cases x (13 Triton + 8 CUDA) timings
@@ -64,9 +64,10 @@ def run_case(inputs, backend, chunks, check_rows, log) -> list[dict]:
     """The rows of one (workload, h) on one backend; ``chunks``: the chunk sizes of (d) / (e)."""
     c = inputs.case
     triton = backend == "triton"
-    M = program_shape(c.h, 8)[0]
+    G = default_group_size(c.h)
+    M = program_shape(c.h, G)[0]
     # the plans sparse_prefill builds for this backend (the CUDA kernel splits no private rows off)
-    pkw = dict(s_kv=c.s_kv, group_size=8, tile=64, clip_threshold=0.5, merge_level=M, split_private=triton)
+    pkw = dict(s_kv=c.s_kv, group_size=G, tile=64, clip_threshold=0.5, merge_level=M, split_private=triton)
     B = dict(backend=backend)
     idx = inputs.indices
     rows: list[dict] = []
@@ -85,7 +86,7 @@ def run_case(inputs, backend, chunks, check_rows, log) -> list[dict]:
     a = run("attn", lambda q, kv: sparse_prefill(q, kv, idx, plan=full, **B), check_rows=check_rows,
             runs_quilt=quilt_full)
     run("plan", lambda q, kv: make_plan(idx, **pkw))
-    run("serial", lambda q, kv: sparse_prefill(q, kv, idx, group_size=8, **B), baseline=base, check_rows=check_rows)
+    run("serial", lambda q, kv: sparse_prefill(q, kv, idx, **B), baseline=base, check_rows=check_rows)
     del full
 
     for C in chunks:

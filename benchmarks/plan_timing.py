@@ -1,9 +1,10 @@
 """Planner timing on the GPU (issue 3): the CUDA planner, the fused Triton planner (bitmap and SCSD
 masks) and, with ``--torch``, the torch planner, at s_q 16384 over a 65536-token context, Top-2048.
 
-Configurations are the ones the attention backends plan with: group 8, tile 64, merge level 64 // h
-(h = 8: merge 8; h = 16: merge 4, private rows split off as Triton runs them, or kept as CUDA runs them),
-and the paper's full cascade (merge 1). Every plan is compared field by field with the Triton bitmap
+Configurations are the ones the attention backends plan with: group and merge level 64 // h, tile 64
+(h = 8: group 8; h = 16: group 4, private rows split off as Triton runs them, or kept as CUDA runs them;
+h = 32: group 2), the group-8 plans at h = 16 / 32 that they used before session 9, and the paper's full
+cascade (group 8, merge 1). Every plan is compared field by field with the Triton bitmap
 plan of the same configuration; ``alloc`` times ``plan_buffers`` alone as that backend calls it, part of
 its planner's time (Triton: the tile arrays filled with their unused-slot values; CUDA: left uninitialized,
 the kernel writes every slot; the torch planner builds its own). Times: median of
@@ -24,8 +25,9 @@ from quilt_attn.workloads import generate
 
 S_Q, S_KV, TOPK = 16384, 65536, 2048
 CONFIGS = [  # (label, group_size, merge_level, split_private)
-    ("h8", 8, 8, False), ("h16-cuda", 8, 4, False), ("h16-triton", 8, 4, True), ("full-cascade", 8, 1, False),
-    ("G4", 4, 4, False),
+    ("h8", 8, 8, False), ("h16-cuda", 4, 4, False), ("h16-triton", 4, 4, True), ("h32-cuda", 2, 2, False),
+    ("h16-cuda G8", 8, 4, False), ("h16-triton G8", 8, 4, True), ("h32-cuda G8", 8, 2, False),
+    ("full-cascade", 8, 1, False),
 ]
 
 

@@ -74,7 +74,7 @@ def sparse_prefill(
     *,
     method: str = "quilt",
     plan: Plan | None = None,
-    group_size: int = 8,
+    group_size: int | None = None,
     tile: int = 64,
     clip_threshold: float = 0.5,
     importance_clip: bool = False,
@@ -101,7 +101,9 @@ def sparse_prefill(
     method : ``"quilt"`` (shared-query execution), ``"query_parallel"`` or ``"reference"`` (float64).
     plan : a ``Plan`` from ``quilt_attn.plan`` built from these ``indices`` (reuse it across layers);
         built here when None.
-    group_size, tile, clip_threshold, importance_clip : planner settings (see ``quilt_attn.plan``).
+    group_size : plan group (see ``quilt_attn.plan``); default: the queries one program holds (``64 // h``,
+        at most 8; 8 at ``h >= 64``), see ``ops.sparse_attention.default_group_size``.
+    tile, clip_threshold, importance_clip : planner settings (see ``quilt_attn.plan``).
     merge_level : where the cascade stops; default: the queries one program holds (``64 // h``),
         so that every tile fills a 64-row matrix product.
     split_private : rows one query owns alone run in 16-row query programs instead of 64-row tiles
@@ -131,6 +133,10 @@ def sparse_prefill(
     require_tensor("kv", kv)
     require_same_device("kv", kv, "q", q)
     s_q, h, d_qk = q.shape
+    if group_size is None:
+        from .ops.sparse_attention import default_group_size
+
+        group_size = default_group_size(h)
     indices = canonical_indices(indices, s_q)
     require_same_device("indices", indices, "q", q)
     topk_length = check_topk_length(topk_length, s_q, q.device)

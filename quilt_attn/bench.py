@@ -111,15 +111,19 @@ def plans_equal(a, b) -> bool:
     return True
 
 
-def cuda_work(inputs: Inputs, h: int) -> dict:
+def cuda_work(inputs: Inputs, h: int, group_size: int | None = None) -> dict:
     """The CUDA kernel's work argument for ``inputs`` at ``h`` heads, as the backend runs it: below 64 heads a
-    plan at merge level ``64 // h`` (``plan=``, query programs of that many queries), else ``indices=``."""
-    from .ops.sparse_attention import program_shape
+    plan at merge level ``64 // h`` (``plan=``, query programs of that many queries; group ``group_size``,
+    default ``sparse_prefill``'s), else ``indices=``."""
+    from .ops.sparse_attention import default_group_size, program_shape
     from .planner import plan as make_plan
 
-    qp = program_shape(h, 8)[0]
+    if group_size is None:
+        group_size = default_group_size(h)
+    qp = program_shape(h, group_size)[0]
     if qp > 1:
-        return dict(plan=make_plan(inputs.indices, s_kv=inputs.case.s_kv, merge_level=qp, split_private=False))
+        return dict(plan=make_plan(inputs.indices, s_kv=inputs.case.s_kv, group_size=group_size, merge_level=qp,
+                                   split_private=False))
     return dict(indices=inputs.indices)
 
 
@@ -169,7 +173,7 @@ def rotating(inputs: Inputs, call):
     return fn
 
 
-def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, importance_clip=False,
+def run_case(inputs: Inputs, method: str, *, group_size=None, merge_level=None, importance_clip=False,
              clip_threshold=0.5, split_private=True, fallback=True, dv_split=1, num_warps=None,
              num_stages=None, check_rows=256, warmup=50, rep=300, backend=None, fp8_expand=None) -> dict:
     """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart).
@@ -183,9 +187,11 @@ def run_case(inputs: Inputs, method: str, *, group_size=8, merge_level=None, imp
     from . import plan as make_plan
     from .api import choose_backend, sparse_prefill, triton_knobs
     from .ops.cuda_backend import cuda_runs_quilt, query_programs_on_triton
-    from .ops.sparse_attention import LAST_COMPILED, program_shape, runs_quilt
+    from .ops.sparse_attention import LAST_COMPILED, default_group_size, program_shape, runs_quilt
 
     c = inputs.case
+    if group_size is None:  # sparse_prefill's default
+        group_size = default_group_size(c.h)
     kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages, fp8_expand=fp8_expand)
     knobs = triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
     requested = backend or "auto"

@@ -366,7 +366,7 @@ def cmd_demo(args, log: Progress) -> int:
                                  torch.empty(1, d_qk, dtype=dtype, device=dev), d_v, tile=tile)
     except ValueError as err:
         raise UsageError(f"argument --backend: {err}") from None
-    group_size = args.group_size
+    group_size = args.group_size if args.group_size is not None else ops.default_group_size(h)
     _check_merge_level(args.merge_level, group_size)
     qp, hb = ops.program_shape(h, group_size)
     merge_level = args.merge_level if args.merge_level is not None else qp
@@ -933,8 +933,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", choices=("bf16", "fp16"),
                     help="q / kv dtype (default: bf16 on a GPU, fp16 on the CPU)")
     sp.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the workload and of q / kv (default: 0)")
-    sp.add_argument("--group-size", type=_group, default=8, metavar="G",
-                    help="QUILT group size, power of two in [1, 16] (default: 8)")
+    sp.add_argument("--group-size", type=_group, metavar="G",
+                    help="QUILT group size, power of two in [1, 16] (default: the queries one kernel program "
+                         "holds, 64 // heads, at most 8; 8 from 64 heads)")
     sp.add_argument("--tile", type=_pow2, metavar="T",
                     help=f"kv rows a plan tile, power of two >= 16 (default: {g_['tile']} on a GPU, "
                          f"{c_['tile']} on the CPU)")

@@ -65,6 +65,13 @@ def chunk_bounds(s_q: int, chunk: int, group_size: int, first_chunk: int | None 
     return bounds
 
 
+def _group_size(h: int, group_size) -> int:
+    """``group_size`` with ``sparse_prefill``'s default (the queries one program holds)."""
+    from .ops.sparse_attention import default_group_size
+
+    return default_group_size(h) if group_size is None else group_size
+
+
 def _plan_settings(h: int, group_size, tile, clip_threshold, importance_clip, merge_level, split_private) -> dict:
     """``quilt_attn.plan`` keywords with ``sparse_prefill``'s defaults (merge level = queries a program)."""
     from .ops.sparse_attention import program_shape
@@ -78,7 +85,7 @@ def _plan_settings(h: int, group_size, tile, clip_threshold, importance_clip, me
 
 
 def plan_chunks(indices: torch.Tensor, h: int, *, s_kv: int, chunk: int = 4096, first_chunk: int | None = None,
-                topk_length: torch.Tensor | None = None, group_size: int = 8, tile: int = 64,
+                topk_length: torch.Tensor | None = None, group_size: int | None = None, tile: int = 64,
                 clip_threshold: float = 0.5, importance_clip: bool = False, merge_level: int | None = None,
                 split_private: bool = True) -> list[Plan]:
     """Plan ``indices`` chunk by chunk, on the current stream, for ``sparse_prefill_pipelined(plans=...)``.
@@ -98,6 +105,7 @@ def plan_chunks(indices: torch.Tensor, h: int, *, s_kv: int, chunk: int = 4096, 
     indices = canonical_indices(indices)
     s_q = indices.shape[0]
     topk_length = check_topk_length(topk_length, s_q, indices.device)
+    group_size = _group_size(h, group_size)
     pkw = _plan_settings(h, group_size, tile, clip_threshold, importance_clip, merge_level, split_private)
     return [make_plan(indices[q0:q1], s_kv=s_kv, topk_length=None if topk_length is None else topk_length[q0:q1],
                       **pkw)
@@ -163,7 +171,7 @@ def sparse_prefill_pipelined(
     chunk: int = 4096,
     first_chunk: int | None = None,
     plans: list[Plan] | None = None,
-    group_size: int = 8,
+    group_size: int | None = None,
     tile: int = 64,
     clip_threshold: float = 0.5,
     importance_clip: bool = False,
@@ -200,7 +208,8 @@ def sparse_prefill_pipelined(
         another on the current stream. Their ``s_q`` must add up to ``s_q``. For the CUDA backend build
         them with ``split_private=False`` (as it plans); a split plan runs as ``sparse_prefill`` runs it.
     group_size, tile, clip_threshold, importance_clip, merge_level, split_private : planner settings,
-        as in ``sparse_prefill`` (``merge_level`` default ``64 // h`` queries; the CUDA backend plans
+        as in ``sparse_prefill`` (``group_size`` and ``merge_level`` default ``64 // h`` queries, at most 8;
+        the CUDA backend plans
         with ``split_private=False`` whatever is given).
     fallback : Triton: decide per chunk whether QUILT pays off, else run that chunk query-parallel (see
         the module docstring for where the decision's host sync goes). Both backends: at ``h >= 64``
@@ -222,6 +231,7 @@ def sparse_prefill_pipelined(
     require_tensor("kv", kv)
     require_same_device("kv", kv, "q", q)
     s_q, h, d_qk = q.shape
+    group_size = _group_size(h, group_size)
     indices = canonical_indices(indices, s_q)
     require_same_device("indices", indices, "q", q)
     topk_length = check_topk_length(topk_length, s_q, q.device)

@@ -418,16 +418,15 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
     """The CUDA kernel's time by stage: one launch (``cuda_backend.launch``, bf16) and the same launch
     with the kv gather and / or the matrix products left out (``CUDA_BREAKDOWN_VARIANTS``).
 
-    ``cases``: ``(workload, h)`` pairs; a case runs QUILT with a plan at merge level
-    ``program_shape(h, 8)[0]`` (64 / h queries a program) when that is above 1, else the query
-    programs (``method``). ``cuda_full`` is checked against the float32 reference (NaN-poisoned output
+    ``cases``: ``(workload, h)`` pairs; a case runs QUILT with ``sparse_prefill``'s plan (group and merge
+    level the queries a program holds, 64 / h) when that is above 1, else the query programs (``method``). ``cuda_full`` is checked against the float32 reference (NaN-poisoned output
     first); the other variants are not (``check``: ``CUDA_NOT_CHECKED``). ``libs``: ``[(name, path)]``
     prebuilt kernel libraries to compare on the same inputs (benchmarks/cuda_breakdown.py), default the
     package's build; each row names its ``lib``. The no-matmul variants exist for bf16 only (the
     measurement build of the kernel).
     """
     from .ops import cuda_backend
-    from .ops.sparse_attention import program_shape
+    from .ops.sparse_attention import default_group_size, program_shape
     from .planner import plan as make_plan
 
     log, rows, t0, timing = _log(log), [], time.time(), timing or TIMING
@@ -435,8 +434,9 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
         case = Case(wl, h, s_q=s_q, s_kv=s_kv, topk=topk, dtype=dtype)
         inp = make_inputs(case, device=device)
         q, kv = inp.sets[0]
-        qp = program_shape(h, 8)[0]
-        pl = make_plan(inp.indices, s_kv=s_kv, merge_level=qp, split_private=False) if qp > 1 else None
+        G = default_group_size(h)
+        qp = program_shape(h, G)[0]
+        pl = make_plan(inp.indices, s_kv=s_kv, group_size=G, merge_level=qp, split_private=False) if qp > 1 else None
         kw = dict(plan=pl) if pl is not None else dict(indices=inp.indices)
         out = torch.empty(s_q, h, bench.D_V, dtype=q.dtype, device=q.device)
         ml = torch.empty(s_q, h, dtype=torch.float32, device=q.device)

@@ -15,8 +15,11 @@ def test_cuda_work_plans_below_64_heads_at_merge_level_64_over_h(h, merge):
     work = cuda_work(inp, h)
     assert list(work) == ["plan"]
     pl = work["plan"]
-    assert (pl.merge_level, pl.group_size, pl.s_q, pl.topk) == (merge, 8, 32, 128)
+    # sparse_prefill's default group: the queries one program holds
+    assert (pl.merge_level, pl.group_size, pl.s_q, pl.topk) == (merge, merge, 32, 128)
     assert not pl.split_private  # the CUDA kernel runs every tile as a 64-row product
+    wide = cuda_work(inp, h, group_size=8)["plan"]
+    assert (wide.merge_level, wide.group_size) == (merge, 8)
 
 
 @pytest.mark.parametrize("h", [64, 128])

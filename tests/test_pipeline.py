@@ -16,7 +16,7 @@ import torch
 from conftest import HAS_CUDA, KERNEL_DEVICE, assert_matches_reference, indexer_aligned_inputs, make_inputs, randn
 from quilt_attn import plan as make_plan
 from quilt_attn import quantize_fp8, sparse_prefill, sparse_prefill_pipelined
-from quilt_attn.ops.sparse_attention import program_shape, runs_quilt
+from quilt_attn.ops.sparse_attention import default_group_size, program_shape, runs_quilt
 from quilt_attn.pipeline import chunk_bounds, plan_chunks
 from quilt_attn.workloads import generate
 from test_sparse_attention import CLIP_MODEL, DV, F16, kept_indices, no_interp, ref, run
@@ -224,7 +224,8 @@ def test_cuda_path_with_a_stand_in_kernel(cuda_stand_in, h, fp8):
         assert_matches_reference(got, ref(q, kv, idx, topk_length=lengths, attn_sink=kw["attn_sink"]), F16,
                                  what=f"h={h}")
     for split in (False, True):
-        pkw = dict(s_kv=s_kv, topk_length=lengths, tile=16, merge_level=M, split_private=split)
+        pkw = dict(s_kv=s_kv, topk_length=lengths, group_size=default_group_size(h), tile=16, merge_level=M,
+                   split_private=split)
         want = sparse_prefill(q, kv_in, idx, plan=make_plan(idx, **pkw), **kw)
         plans = plan_chunks(idx, h, chunk=16, **pkw)
         assert_same_bits(sparse_prefill_pipelined(q, kv_in, idx, plans=plans, **kw), want, what=f"split={split}")
@@ -294,9 +295,10 @@ def test_gpu_cuda_pipelined_equals_unchunked(h, kv_kind):
                 assert_same_bits(got, whole, what=f"cuda h={h} {kv_kind} {kw}")
     torch.cuda.synchronize()
     # prebuilt plans: against the unchunked run of the same plan settings (at h = 64 that is a plan too)
-    M = program_shape(h, 8)[0]
+    G = default_group_size(h)
+    M = program_shape(h, G)[0]
     for split in (False, True):
-        pkw = dict(s_kv=s_kv, topk_length=lengths, merge_level=M, split_private=split)
+        pkw = dict(s_kv=s_kv, topk_length=lengths, group_size=G, merge_level=M, split_private=split)
         want = sparse_prefill(q, kv, idx, plan=make_plan(idx, **pkw), backend="cuda", **extra)
         if h < 64 and not split:
             assert_same_bits(want, whole, what=f"cuda h={h}: sparse_prefill plans with these settings")

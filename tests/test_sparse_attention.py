@@ -589,3 +589,34 @@ def test_fallback_decision_and_result():
     # without it the QUILT kernels run, and still match the reference
     forced = run(q, kv, lonely, "quilt", plan=p_lonely, fallback=False)
     assert_matches_reference(forced, ref(q, kv, lonely), F16, what="forced QUILT on random")
+
+
+# ----------------------------------------------------------------------------- default plan group
+@pytest.mark.parametrize("h,G,M", [(1, 8, 8), (8, 8, 8), (16, 4, 4), (32, 2, 2), (64, 8, 1), (128, 8, 1)])
+def test_default_plan_group_is_the_queries_a_program_holds(h, G, M, monkeypatch):
+    """Without ``group_size`` sparse_prefill plans groups of the queries one program holds (a wider group's
+    shared tiles would be run by each of its programs), and keeps 8 where a program holds one query."""
+    from quilt_attn import api
+    from quilt_attn.ops.sparse_attention import default_group_size
+
+    assert default_group_size(h) == G
+
+    class Planned(Exception):
+        pass
+
+    seen = {}
+
+    def fake_plan(indices, **kw):
+        seen.update(kw)
+        raise Planned
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the kernels' device check; no kernel runs)
+    monkeypatch.setattr(api, "make_plan", fake_plan)
+    q, kv, idx = make_inputs(16, h=h, s_kv=64, topk=16, device="cpu")
+    with pytest.raises(Planned):
+        sparse_prefill(q, kv, idx, d_v=64, tile=16, fallback=False, backend="triton")
+    assert (seen["group_size"], seen["merge_level"]) == (G, M)
+    seen.clear()
+    with pytest.raises(Planned):  # an explicit group is kept
+        sparse_prefill(q, kv, idx, d_v=64, tile=16, fallback=False, backend="triton", group_size=8)
+    assert seen["group_size"] == 8 and seen["merge_level"] == M

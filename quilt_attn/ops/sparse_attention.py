@@ -198,6 +198,19 @@ def program_shape(h: int, group_size: int) -> tuple[int, int]:
     return qp, hb
 
 
+def default_group_size(h: int) -> int:
+    """The plan group ``sparse_prefill`` uses at ``h`` heads: the queries one program holds (``64 // h``,
+    at most 8), or 8 where a program holds one query (``h >= 64``).
+
+    A program runs every tile of its group that meets its queries, so in a group larger than a program the
+    wider levels' tiles are run by each sibling program; the program-sized group runs those rows in the
+    same tiles, pads less, and plans faster (H200, glm53-like, s_q 16384: plan() 0.320 ms at group 4
+    against 0.427 at group 8, kernel time within noise; ``benchmarks/NOTES.md``, session 9).
+    """
+    qp = program_shape(h, 8)[0]
+    return qp if qp > 1 else 8
+
+
 # (num_warps, num_stages) by matrix rows a program; measured on the H200 (benchmarks/NOTES.md)
 DEFAULT_CONFIG = {16: (4, 2), 32: (4, 2), 64: (8, 2)}
 
