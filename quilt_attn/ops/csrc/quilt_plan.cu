@@ -6,7 +6,8 @@
 // prefix sum. The group's membership table is a byte a kv row in shared memory (member bits), so an
 // insert is one shared-memory OR and a lookup one byte load; Triton has no indexed shared memory, so
 // its planner keeps this table in global memory (L2). The rows that tile-aware clipping pushes down
-// (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level, block).
+// (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level, block), except
+// at the merge level: a row pushed from there makes a column of the block's representative only.
 //
 // Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384, and a context whose
 // table fits next to the group's entries (s_kv up to about 150K rows). Anything else runs the Triton
@@ -261,7 +262,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     const unsigned fbit = 1u << ((1 << e) - 1 + (k >> ilog2(L)));  // flag of (level, block)
     const unsigned n = static_cast<unsigned>(tot), r = n % T;
     const bool push = (k & (L - 1)) == 0 && r > 0u && static_cast<float>(r) < p.thr;
-    if (__syncthreads_or(push)) {
+    if (L == M) {
+      // Pushed below the merge level, a row joins the block's merged segment, where its column belongs to
+      // its lowest owner: the representative, who moves its own entries. The other members' entries of
+      // the row make no column either way, so they need not learn of it (no pushed-row set, no barrier).
+      if (push) {
+        unsigned pos = pos0;
+#pragma unroll
+        for (int i = 0; i < kEpt; ++i) {
+          if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
+            if (pos >= n - r) set_lvl(lv, i, L / 2);
+            ++pos;
+          }
+        }
+      }
+    } else if (__syncthreads_or(push)) {
       int rows[kEpt];
       load_rows(my_rows, rows);
       if (push) {
