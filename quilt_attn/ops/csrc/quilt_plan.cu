@@ -41,6 +41,7 @@ constexpr int kEpt = 16;          // list entries a thread
 constexpr int kMaxThreads = 1024;
 constexpr int kRowBits = 18;      // kv rows < 2^18 (the member table's shared memory bounds s_kv below that)
 constexpr int kMaxSeg = 16;       // segments a group: 2G - 1 levels (+ G / M merged blocks), G <= 8
+static_assert(kMaxSeg <= 32, "the segment table keeps a segment a lane");
 
 __device__ __forceinline__ unsigned get_lvl(unsigned long long lv, int i) {
   return static_cast<unsigned>(lv >> (4 * i)) & 0xFu;
@@ -174,9 +175,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ unsigned long long wsum[2 * 32];
   __shared__ unsigned long long mtot[G];  // member totals of the last scan
-  __shared__ int seg_off[kMaxSeg + 1], seg_n[kMaxSeg], seg_lvl[kMaxSeg], seg_bits[kMaxSeg];
-  __shared__ int mstart[G];
-  __shared__ int n_valid, n_seg;
+  __shared__ int n_valid;
   __shared__ unsigned pushed;  // flag bits of the (level, block)s that pushed rows down
 
   // shared memory: [entries' rows, int, 16 a thread] [flag keys] [flag words] [member bits, a byte a kv row]
@@ -363,48 +362,64 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   unsigned long long tot64;
   // this member's columns before mine
   const unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, mtot, tot64);
-  __syncthreads();  // (mtot, read below)
+  // The segment table (levels G .. M by block, then the merged blocks), a lane a segment: every warp builds
+  // it itself from the scan's warp totals (in wsum since the scan's barrier), so no barrier waits for one
+  // warp to publish it. Shuffle sources are warp-uniform or per lane; every lane runs every shuffle.
+  constexpr unsigned kFull = 0xFFFFFFFFu;
   constexpr int kLevels = ilog2_c(G) + 1;
   const int n_lev = ilog2(G) - ilog2(M) + 1;  // level fields 0 .. n_lev - 1; merged: field 3
-  if (tid < 32) {  // one lane a segment: its rows, tiles and place (levels G .. M by block, then merged blocks)
-    const int lane = tid, n_lvl_seg = (1 << n_lev) - 1, ns = n_lvl_seg + (M > 1 ? G / M : 0);
-    int n = 0, lvl = 0, bits = 0;
-    if (lane < n_lvl_seg) {
-      const int f = ilog2(lane + 1), b = lane + 1 - (1 << f), L = G >> f;
-      n = static_cast<int>(field(mtot[b * L], f));
-      lvl = L, bits = ((1 << L) - 1) << (b * L);
-    } else if (lane < ns) {
-      const int b = lane - n_lvl_seg;
-      for (int j = 0; j < M; ++j) {
-        mstart[b * M + j] = n;
-        n += static_cast<int>(field(mtot[b * M + j], 3));
-      }
-      bits = ((1 << M) - 1) << (b * M);
+  const int lane = tid & 31, n_lvl_seg = (1 << n_lev) - 1, ns = n_lvl_seg + (M > 1 ? G / M : 0);
+  unsigned long long mt = 0ull;  // lane j < G: member j's column counts by kind
+  {
+    const unsigned long long* ws = wsum + 32 * ((scans - 1) & 1);
+    const int wpm = tpm >> 5;
+    if (lane < G) {
+      for (int w = 0; w < wpm; ++w) mt += ws[lane * wpm + w];
     }
-    const int tiles = (n + T - 1) / T;
-    int incl = tiles;
+  }
+  const bool lvl_lane = lane < n_lvl_seg, mrg_lane = lane >= n_lvl_seg && lane < ns;
+  const int sf = lvl_lane ? ilog2(lane + 1) : 0, sb = lvl_lane ? lane + 1 - (1 << sf) : lane - n_lvl_seg;
+  const unsigned long long mrep = __shfl_sync(kFull, mt, lvl_lane ? sb * (G >> sf) : 0);
+  int n = 0, lvl = 0, bits = 0;
+  if (lvl_lane) {
+    const int L = G >> sf;
+    n = static_cast<int>(field(mrep, sf));
+    lvl = L, bits = ((1 << L) - 1) << (sb * L);
+  }
+  int my_mstart = 0;  // this thread's member's first column inside its block's merged segment
+  if (M > 1) {
+#pragma unroll 1
+    for (int j = 0; j < M; ++j) {
+      const unsigned long long mj = __shfl_sync(kFull, mt, mrg_lane ? sb * M + j : 0);
+      const unsigned long long mk = __shfl_sync(kFull, mt, (k & ~(M - 1)) + j);  // (k: warp-uniform)
+      if (mrg_lane) n += static_cast<int>(field(mj, 3));
+      if (j < (k & (M - 1))) my_mstart += static_cast<int>(field(mk, 3));
+    }
+    if (mrg_lane) bits = ((1 << M) - 1) << (sb * M);
+  }
+  const int tiles = (n + T - 1) / T;
+  int incl = tiles;  // the segment's last tile + 1
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int y = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-      if (lane >= d) incl += y;
-    }
-    const int rows_all = __reduce_add_sync(0xFFFFFFFFu, n);
-    if (lane < ns) seg_n[lane] = n, seg_lvl[lane] = lvl, seg_bits[lane] = bits, seg_off[lane] = incl - tiles;
-    if (lane == ns - 1) {
-      seg_off[ns] = incl;
-      n_seg = ns;
-      p.group_tiles[g] = incl;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(kFull, incl, d);
+    if (lane >= d) incl += y;
+  }
+  const int first = incl - tiles;                             // the segment's first tile
+  const int n_tiles = __shfl_sync(kFull, incl, ns - 1);       // the group's tiles
+  {
+    const int rows_all = __reduce_add_sync(kFull, n);
+    if (tid == 0) {
+      p.group_tiles[g] = n_tiles;
       p.group_rows[g] = rows_all;
       p.group_valid[g] = n_valid;
     }
   }
-  __syncthreads();
 
   // A segment's tiles are contiguous, so its column pos lands at slot (segment's first tile) * T + pos.
   const long long gbase = static_cast<long long>(g) * p.cap;
   int* kv_out = p.tile_kv + gbase * T;
   int* mask_out = p.tile_mask + gbase * T;
-  load_rows(my_rows, rows);  // after the barrier: reloaded, not held in registers across the scan
+  load_rows(my_rows, rows);  // reloaded, not held in registers across the scan
   int dst[4], fbits[4];      // next slot of this thread's columns and their member bits, per kind
 #pragma unroll
   for (int f = 0; f < 4; ++f) {
@@ -413,16 +428,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       if ((k & ((G >> f) - 1)) == 0) sid = (1 << f) - 1 + (k >> (ilog2_c(G) - f));
     } else if (f == 3 && M > 1) {
       sid = 2 * G / M - 1 + (k >> ilog2(M));
-      extra = mstart[k];
+      extra = my_mstart;
     }
-    dst[f] = sid < 0 ? 0 : seg_off[sid] * T + static_cast<int>(field(mine, f)) + extra;
-    fbits[f] = sid < 0 ? 0 : seg_bits[sid];
+    const int off = __shfl_sync(kFull, first, sid < 0 ? 0 : sid), sbits = __shfl_sync(kFull, bits, sid < 0 ? 0 : sid);
+    dst[f] = sid < 0 ? 0 : off * T + static_cast<int>(field(mine, f)) + extra;
+    fbits[f] = sid < 0 ? 0 : sbits;
   }
   // Columns leave through this warp's 512-int stretch of the rows area (its rows are in registers now):
   // a warp lies inside one member's list, so each kind's columns of the warp fill one contiguous range
   // of slots; staged there in order, they are written with whole-warp (coalesced) stores.
   const bool merged3 = M > 1;  // kind 3 is the merged segment (else level 1)
-  const int lane = tid & 31;
   int* stage = reinterpret_cast<int*>(smem) + (tid - lane) * kEpt;
   int wstart[4], wcnt[4], local[4];
   {
@@ -464,12 +479,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       acc += wcnt[f];
     }
   }
-  // padding slots of each segment's last tile, and every tile's level / block
-  const int ns = n_seg;
-  for (int i = tid; i < ns * T; i += nt) {
-    const int s = i / T, pp = seg_n[s] + i % T;
-    if (pp < (seg_off[s + 1] - seg_off[s]) * T) {
-      const long long d = (gbase + seg_off[s]) * T + pp;
+  // padding slots of each segment's last tile (a warp a segment), and every tile's level / block
+  const int warp = tid >> 5, n_warps = nt >> 5;
+  for (int s = warp; s < ns; s += n_warps) {  // (warp-uniform)
+    const int sn = __shfl_sync(kFull, n, s), s0 = __shfl_sync(kFull, first, s), s1 = __shfl_sync(kFull, incl, s);
+    for (int pp = sn + lane; pp < (s1 - s0) * T; pp += 32) {
+      const long long d = (gbase + s0) * T + pp;
       p.tile_kv[d] = -1;
       p.tile_mask[d] = 0;
     }
@@ -477,28 +492,33 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   // the tiles past the group's last: kv -1, mask 0 (the Plan's contract; the buffers come uninitialized,
   // which saves a fill of the whole worst-case allocation before the launch)
   {
-    const long long from = (gbase + seg_off[ns]) * T, n = static_cast<long long>(p.cap - seg_off[ns]) * T;
+    const long long from = (gbase + n_tiles) * T, nfill = static_cast<long long>(p.cap - n_tiles) * T;
     if (T % 4 == 0) {  // 16-byte aligned: (gbase + tiles) * T ints
       int4* kz = reinterpret_cast<int4*>(p.tile_kv + from);
       int4* mz = reinterpret_cast<int4*>(p.tile_mask + from);
-      for (long long i = tid; i < n / 4; i += nt) {
+      for (long long i = tid; i < nfill / 4; i += nt) {
         kz[i] = make_int4(-1, -1, -1, -1);
         mz[i] = make_int4(0, 0, 0, 0);
       }
     } else {
-      for (long long i = tid; i < n; i += nt) {
+      for (long long i = tid; i < nfill; i += nt) {
         p.tile_kv[from + i] = -1;
         p.tile_mask[from + i] = 0;
       }
     }
   }
-  for (int t = tid; t < p.cap; t += nt) {
-    int lvl = -1, bits = 0;
+  for (int t0 = warp * 32; t0 < p.cap; t0 += nt) {  // (warp-uniform: the shuffles below run on every lane)
+    const int t = t0 + lane;
+    int tl = -1, tb = 0;
     for (int s = 0; s < ns; ++s) {
-      if (t >= seg_off[s] && t < seg_off[s + 1]) lvl = seg_lvl[s], bits = seg_bits[s];
+      const int s0 = __shfl_sync(kFull, first, s), s1 = __shfl_sync(kFull, incl, s);
+      const int sl = __shfl_sync(kFull, lvl, s), sbt = __shfl_sync(kFull, bits, s);
+      if (t >= s0 && t < s1) tl = sl, tb = sbt;
     }
-    p.tile_level[gbase + t] = lvl;
-    p.tile_members[gbase + t] = bits;
+    if (t < p.cap) {
+      p.tile_level[gbase + t] = tl;
+      p.tile_members[gbase + t] = tb;
+    }
   }
 }
 
