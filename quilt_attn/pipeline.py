@@ -209,8 +209,7 @@ def sparse_prefill_pipelined(
         them with ``split_private=False`` (as it plans); a split plan runs as ``sparse_prefill`` runs it.
     group_size, tile, clip_threshold, importance_clip, merge_level, split_private : planner settings,
         as in ``sparse_prefill`` (``group_size`` and ``merge_level`` default ``64 // h`` queries, at most 8;
-        the CUDA backend plans
-        with ``split_private=False`` whatever is given).
+        the CUDA backend plans with ``split_private=False`` whatever is given).
     fallback : Triton: decide per chunk whether QUILT pays off, else run that chunk query-parallel (see
         the module docstring for where the decision's host sync goes). Both backends: at ``h >= 64``
         nothing is planned and all queries run query-parallel.

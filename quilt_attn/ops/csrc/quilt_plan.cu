@@ -96,14 +96,14 @@ __device__ __forceinline__ unsigned flag_get(const unsigned* keys, const unsigne
 }
 
 // Prefix of ``v`` (packed 16-bit counters, no field overflows: <= 16384 entries) inside this thread's
-// member list, exclusive, and the member's total (also left in ``mtot[k]``). Members are whole warps
+// member list, exclusive, and the member's total. Members are whole warps
 // (tpm a multiple of 32), so after one barrier every warp sums the totals of the warps before it itself
 // (two 5-step reductions) instead of waiting on a second barrier for one warp's scan of them. ``wsum``
 // alternates between two halves (``parity``): a warp may start the next scan while a slower one still
 // reads this one's totals, and every thread passes a barrier of the next scan before the one after.
 __device__ __forceinline__ unsigned long long member_scan(unsigned long long v, int k, int tpm,
                                                           unsigned long long* wsum, int parity,
-                                                          unsigned long long* mtot, unsigned long long& total) {
+                                                          unsigned long long& total) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, w0 = k * (tpm >> 5), w1 = w0 + (tpm >> 5);
   unsigned long long* ws = wsum + 32 * parity;
   unsigned long long x = v;
@@ -121,7 +121,6 @@ __device__ __forceinline__ unsigned long long member_scan(unsigned long long v, 
     before += __shfl_xor_sync(0xFFFFFFFFu, before, d);
     all += __shfl_xor_sync(0xFFFFFFFFu, all, d);
   }
-  if (threadIdx.x % tpm == 0) mtot[k] = all;
   total = all;
   return before + x - v;
 }
@@ -174,7 +173,6 @@ template <int G>
 __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ unsigned long long wsum[2 * 32];
-  __shared__ unsigned long long mtot[G];  // member totals of the last scan
   __shared__ int n_valid;
   __shared__ unsigned pushed;  // flag bits of the (level, block)s that pushed rows down
 
@@ -257,7 +255,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) c += get_lvl(lv, i) == static_cast<unsigned>(L);
     unsigned long long tot;
-    const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, scans++ & 1, mtot, tot));
+    const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, scans++ & 1, tot));
     const unsigned fbit = 1u << ((1 << e) - 1 + (k >> ilog2(L)));  // flag of (level, block)
     const unsigned n = static_cast<unsigned>(tot), r = n % T;
     const bool push = (k & (L - 1)) == 0 && r > 0u && static_cast<float>(r) < p.thr;
@@ -319,7 +317,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       pmask |= static_cast<unsigned>(priv) << i;
     }
     unsigned long long tot;
-    unsigned pos = static_cast<unsigned>(member_scan(__popc(pmask), k, tpm, wsum, scans++ & 1, mtot, tot));
+    unsigned pos = static_cast<unsigned>(member_scan(__popc(pmask), k, tpm, wsum, scans++ & 1, tot));
     const unsigned n = static_cast<unsigned>(tot), r = n % T;
     const bool clip = p.iclip && r > 0u && static_cast<float>(r) < p.thr;
     const unsigned keep_n = n - (clip ? r : 0u);
@@ -361,7 +359,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   }
   unsigned long long tot64;
   // this member's columns before mine
-  const unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, mtot, tot64);
+  const unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, tot64);
   // The segment table (levels G .. M by block, then the merged blocks), a lane a segment: every warp builds
   // it itself from the scan's warp totals (in wsum since the scan's barrier), so no barrier waits for one
   // warp to publish it. Shuffle sources are warp-uniform or per lane; every lane runs every shuffle.
