@@ -14,10 +14,8 @@ import time
 
 import torch
 
-from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill, sparse_prefill_pipelined
-from quilt_attn.bench import Case, make_inputs, save, time_ms
-from quilt_attn.ops.sparse_attention import default_group_size
+from quilt_attn.bench import Case, cuda_work, make_inputs, save, time_ms
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--out", required=True)
@@ -42,8 +40,7 @@ for h in map(int, a.h.split(",")):
     inp = make_inputs(Case("glm53-like", h), n_sets=1)
     q, kv = inp.sets[0]
     idx = inp.indices
-    G = default_group_size(h)
-    calls = [("plan", lambda: make_plan(idx, s_kv=65536, group_size=G, merge_level=G, split_private=False)),
+    calls = [("plan", lambda: cuda_work(inp, h)),  # the plan sparse_prefill(backend="cuda") builds
              ("serial", lambda: sparse_prefill(q, kv, idx, backend="cuda"))]
     calls += [(f"pipe/{C}", lambda C=C: sparse_prefill_pipelined(q, kv, idx, chunk=C, backend="cuda"))
               for C in map(int, a.chunks.split(","))]

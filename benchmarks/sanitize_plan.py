@@ -8,23 +8,13 @@ importance clipping, split private rows, ``topk_length``, invalid entries, a par
 compares every plan field by field with the torch planner's (on the CPU, so only the planner kernel
 runs under the sanitizer). Exits non-zero on a mismatch.
 """
-import dataclasses
 import sys
 
 import torch
 
 from quilt_attn import plan as make_plan
+from quilt_attn.bench import plans_equal
 from quilt_attn.workloads import generate
-
-
-def same(a, b) -> bool:
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x.cpu(), y.cpu())):
-                print(f"  field {f.name} differs")
-                return False
-    return True
 
 
 s_q, s_kv, topk = 44, 4096, 300  # 44: a partial last group for every group size
@@ -42,7 +32,7 @@ for G, M, iclip, split, tl in [(8, 8, False, False, False), (8, 4, False, False,
     want = make_plan(idx, backend="torch", **kw)
     got = make_plan(idx.cuda(), backend="cuda", **{**kw, "topk_length": lengths.cuda() if tl else None})
     torch.cuda.synchronize()
-    ok = same(got, want)
+    ok = plans_equal(got, want)
     bad += not ok
     print(f"G={G} merge={M} iclip={iclip} split={split} topk_length={tl}: {'same as torch' if ok else 'DIFFERS'}")
 sys.exit(1 if bad else 0)

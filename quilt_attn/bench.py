@@ -102,11 +102,12 @@ def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: i
 
 
 def plans_equal(a, b) -> bool:
-    """Whether two plans hold the same tensors, field by field (a field None in one and not the other differs)."""
+    """Whether two plans hold the same tensors, field by field (a field None in one and not the other differs);
+    the plans may live on different devices."""
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y.to(x.device))):
                 return False
     return True
 

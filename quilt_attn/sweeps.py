@@ -426,18 +426,13 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
     measurement build of the kernel).
     """
     from .ops import cuda_backend
-    from .ops.sparse_attention import default_group_size, program_shape
-    from .planner import plan as make_plan
-
     log, rows, t0, timing = _log(log), [], time.time(), timing or TIMING
     for wl, h in cases:
         case = Case(wl, h, s_q=s_q, s_kv=s_kv, topk=topk, dtype=dtype)
         inp = make_inputs(case, device=device)
         q, kv = inp.sets[0]
-        G = default_group_size(h)
-        qp = program_shape(h, G)[0]
-        pl = make_plan(inp.indices, s_kv=s_kv, group_size=G, merge_level=qp, split_private=False) if qp > 1 else None
-        kw = dict(plan=pl) if pl is not None else dict(indices=inp.indices)
+        kw = bench.cuda_work(inp, h)  # the plan sparse_prefill runs, or indices= from 64 heads
+        pl = kw.get("plan")
         out = torch.empty(s_q, h, bench.D_V, dtype=q.dtype, device=q.device)
         ml = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
         lse = torch.empty_like(ml)
