@@ -3,7 +3,8 @@
 A call whose host work takes longer than its GPU work leaves the GPU idle between launches; do_bench
 then times the host. For each call: ``host`` = wall time to enqueue it (no synchronization inside,
 median of 20 calls each after a device sync), ``gpu`` = do_bench median. glm53-like, s_q 16384,
-s_kv 65536, topk 2048, bf16, CUDA backend.
+s_kv 65536, topk 2048, bf16, CUDA backend. Each attention call's output is checked against the float32
+reference on sampled queries first.
 
     python benchmarks/host_time.py --out host.json
 """
@@ -15,7 +16,7 @@ import time
 import torch
 
 from quilt_attn import sparse_prefill, sparse_prefill_pipelined
-from quilt_attn.bench import Case, cuda_work, make_inputs, save, time_ms
+from quilt_attn.bench import Case, check, cuda_work, make_inputs, save, time_ms
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--out", required=True)
@@ -45,9 +46,12 @@ for h in map(int, a.h.split(",")):
     calls += [(f"pipe/{C}", lambda C=C: sparse_prefill_pipelined(q, kv, idx, chunk=C, backend="cuda"))
               for C in map(int, a.chunks.split(","))]
     for name, fn in calls:
-        fn()
+        got = fn()
+        torch.cuda.synchronize()
+        # the attention calls' outputs against the float32 reference (plan(): nothing to check)
+        chk = check(inp, *got) if name != "plan" else {}
         r = dict(workload="glm53-like", h=h, backend="cuda", name=name, host_ms=host_ms(fn),
-                 gpu_ms=time_ms(fn, warmup=20, rep=100))
+                 gpu_ms=time_ms(fn, warmup=20, rep=100), **chk)
         rows.append(r)
         print(f"h={h:<3} {name:<10} host {r['host_ms']:.3f} ms  do_bench {r['gpu_ms']:.3f} ms", flush=True)
 save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
