@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_plan.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_plan.py
 
-Plans a few small index sets with the CUDA planner (groups 8 / 4 / 2 / 1, merge levels below the group,
+Plans a few small index sets with the CUDA planner (groups 8 / 4 / 2 / 1, merge levels at and below the group,
 importance clipping, split private rows, ``topk_length``, invalid entries, a partial last group) and
 compares every plan field by field with the torch planner's (on the CPU, so only the planner kernel
 runs under the sanitizer). Exits non-zero on a mismatch.
@@ -26,7 +26,8 @@ lengths[9], lengths[20] = 17, 0
 bad = 0
 for G, M, iclip, split, tl in [(8, 8, False, False, False), (8, 4, False, False, True), (8, 1, False, False, False),
                                (4, 4, False, False, True), (4, 2, True, True, False), (2, 2, False, True, True),
-                               (1, 1, True, False, False), (8, 8, True, True, True)]:
+                               (1, 1, True, False, False), (8, 8, True, True, True),
+                               (2, 2, False, False, False)]:
     kw = dict(s_kv=s_kv, group_size=G, merge_level=M, tile=64, importance_clip=iclip, split_private=split,
               topk_length=lengths if tl else None)
     want = make_plan(idx, backend="torch", **kw)

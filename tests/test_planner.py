@@ -715,7 +715,8 @@ _ON_HOPPER = _ON_GPU and torch.cuda.get_device_capability() == (9, 0)
                                                  (4, 2, 8, 1.0, False, True), (8, 1, 16, 0.5, True, False),
                                                  (8, 4, 64, 0.5, False, True), (8, 4, 8, 0.5, True, True),
                                                  (8, 8, 2, 0.25, False, False), (8, 2, 3, 0.75, False, False),
-                                                 (4, 4, 64, 0.0, False, True), (8, 1, 1, 0.5, False, False)])
+                                                 (4, 4, 64, 0.0, False, True), (8, 1, 1, 0.5, False, False),
+                                                 (2, 2, 8, 0.5, False, False), (4, 4, 16, 1.0, False, False)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cuda_planner_matches_torch_gpu(G, M, T, tau, imp, split, seed, monkeypatch):
     """The CUDA planner equals the torch planner (invalid rows, topk_length, clipping, split private rows);
@@ -740,7 +741,8 @@ def _poison_cuda_plan_buffers(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_HOPPER, reason="the CUDA planner needs an sm_90 GPU")
 @pytest.mark.parametrize("kind", ["glm53-like", "random", "identical"])
-@pytest.mark.parametrize("G,M,split", [(8, 8, False), (8, 4, True), (8, 1, False), (4, 4, False), (2, 1, True)])
+@pytest.mark.parametrize("G,M,split", [(8, 8, False), (8, 4, True), (8, 1, False), (4, 4, False), (2, 2, False),
+                                       (2, 1, True)])
 def test_cuda_planner_matches_triton_full_topk(kind, G, M, split, monkeypatch):
     """Full-size lists (topk 2048 over a 64K context): the CUDA planner's hash table equals the Triton planner."""
     from quilt_attn.workloads import generate

@@ -9,6 +9,9 @@
 // (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level, block), except
 // at the merge level: a row pushed from there makes a column of the block's representative only.
 //
+// Plans whose merge level is the group (the defaults at 8, 16 and 32 heads) take a shorter path, kFlat
+// below: one lookup and one scan instead of levels, a clipping scan and a second lookup pass.
+//
 // Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384, and a context whose
 // table fits next to the group's entries (s_kv up to about 150K rows). Anything else runs the Triton
 // planner.
@@ -169,7 +172,12 @@ __device__ __forceinline__ int column_field(unsigned lvl, unsigned m, const Memb
 }
 
 
-template <int G>
+// kFlat: merge level == G >= 2, no importance clipping, no split (the default plans at 8, 16 and 32 heads).
+// There a row is either in every member's list (level G, a column of member 0) or in the merged segment,
+// where it is a column of its lowest owner; clipping can only move member 0's own level-G rows into the
+// merged segment. So one lookup an entry gives its column kind, and one scan places every column:
+// member 0's clipping is decided from the scan's totals and folded into its prefixes afterwards.
+template <int G, bool kFlat>
 __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ unsigned long long wsum[2 * 32];
@@ -237,11 +245,22 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     if ((tid & 31) == 0 && cnt) atomicAdd(&n_valid, cnt);
     __syncthreads();
 
-    // 2. cascade levels from the member masks
+    if constexpr (kFlat) {
+      // 2-5 at once: column kinds (0: level G, member 0; 3: merged, lowest owner; 15: no column)
+      constexpr unsigned kAll = (1u << G) - 1u;
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      const unsigned l = blocks.level(mask_of(tab, max(rows[i], 0)));  // branch-free; invalid: level 0
-      lv |= static_cast<unsigned long long>(rows[i] >= 0 ? l : 0u) << (4 * i);
+      for (int i = 0; i < kEpt; ++i) {
+        const unsigned m = mask_of(tab, max(rows[i], 0));
+        const unsigned f = rows[i] < 0 ? 15u : m == kAll ? (k == 0 ? 0u : 15u) : (m & (0u - m)) == me.mlow ? 3u : 15u;
+        lv |= static_cast<unsigned long long>(f) << (4 * i);
+      }
+    } else {
+      // 2. cascade levels from the member masks
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) {
+        const unsigned l = blocks.level(mask_of(tab, max(rows[i], 0)));  // branch-free; invalid: level 0
+        lv |= static_cast<unsigned long long>(rows[i] >= 0 ? l : 0u) << (4 * i);
+      }
     }
   }
 
@@ -250,7 +269,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   //    other members learn which rows moved from the pushed-row set
   int e = 0, scans = 0;  // (member scans so far: their wsum half)
 #pragma unroll 1
-  for (int L = G; L >= 2 && L >= M; L /= 2, ++e) {
+  for (int L = G; !kFlat && L >= 2 && L >= M; L /= 2, ++e) {
     unsigned c = 0;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) c += get_lvl(lv, i) == static_cast<unsigned>(L);
@@ -302,7 +321,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   int rows[kEpt];
   load_rows(my_rows, rows);
   // 4. private rows: importance-aware clipping drops the lowest-ranked r; split lists the rest per query
-  if (p.iclip || p.split) {
+  if (!kFlat && (p.iclip || p.split)) {
     unsigned pmask = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
@@ -341,7 +360,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
   // 5. segments: columns counted per member and kind, then placed by prefix sums
   unsigned long long c64 = 0ull;
-  {
+  if constexpr (!kFlat) {
     unsigned kinds = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // from here on lv holds each entry's column kind (15: no column)
@@ -354,12 +373,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
         kinds = 0u;
       }
     }
-#pragma unroll
-    for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(count_nibbles(lv, ff)) << (16 * ff);
   }
+#pragma unroll
+  for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(count_nibbles(lv, ff)) << (16 * ff);
   unsigned long long tot64;
   // this member's columns before mine
-  const unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, tot64);
+  unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, tot64);
   // The segment table (levels G .. M by block, then the merged blocks), a lane a segment: every warp builds
   // it itself from the scan's warp totals (in wsum since the scan's barrier), so no barrier waits for one
   // warp to publish it. Shuffle sources are warp-uniform or per lane; every lane runs every shuffle.
@@ -373,6 +392,29 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     const int wpm = tpm >> 5;
     if (lane < G) {
       for (int w = 0; w < wpm; ++w) mt += ws[lane * wpm + w];
+    }
+  }
+  if constexpr (kFlat) {
+    // tile-aware clipping of the level-G segment (member 0's kind-0 columns, n of them): its last
+    // r = n % T rows by rank move to member 0's merged columns, so every count and prefix of member 0
+    // moves by what lies past the cut
+    const unsigned n0 = field(__shfl_sync(kFull, mt, 0), 0), r0 = n0 % T, cut = n0 - r0;
+    if (r0 > 0u && static_cast<float>(r0) < p.thr) {  // (block-uniform)
+      if (lane == 0) mt += (static_cast<unsigned long long>(r0) << 48) - r0;
+      if (k == 0) {
+        const unsigned before = field(mine, 0);
+        unsigned pos = before, moved = 0u;
+#pragma unroll
+        for (int i = 0; i < kEpt; ++i) {
+          if (get_lvl(lv, i) == 0u) {
+            if (pos >= cut) set_lvl(lv, i, 3u), ++moved;
+            ++pos;
+          }
+        }
+        const unsigned past = before > cut ? before - cut : 0u;
+        mine += (static_cast<unsigned long long>(past) << 48) - past;
+        c64 += (static_cast<unsigned long long>(moved) << 48) - moved;
+      }
     }
   }
   const bool lvl_lane = lane < n_lvl_seg, mrg_lane = lane >= n_lvl_seg && lane < ns;
@@ -522,7 +564,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
 template <int G>
 int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
-  auto kernel = plan_kernel<G>;
+  const bool flat = G >= 2 && p.merge == G && !p.iclip && !p.split;
+  auto kernel = flat ? plan_kernel<G, G >= 2> : plan_kernel<G, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
   kernel<<<p.n_groups, threads, smem, stream>>>(p);
