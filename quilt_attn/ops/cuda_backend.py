@@ -243,7 +243,7 @@ def plan_launch_shape(group_size: int, topk: int, s_kv: int, tile: int) -> tuple
     threads = group_size * plan_list_pad(topk) // 16
     pushed = max(1, (group_size - 1) * tile)  # at most tile - 1 rows a (level, block), G - 1 of them
     log_flags = max(6, (2 * pushed - 1).bit_length())
-    return threads, log_flags, 64 * threads + (8 << log_flags) + -(-s_kv // 16) * 16
+    return threads, log_flags, 64 * threads + (8 << log_flags) + -(-(s_kv + 1) // 16) * 16  # (+1: a spare byte)
 
 
 def plan_unsupported_reason(group_size: int, topk: int, s_kv: int, tile: int) -> str | None:

@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   __shared__ int n_valid;
   __shared__ unsigned pushed;  // flag bits of the (level, block)s that pushed rows down
 
-  // shared memory: [entries' rows, int, 16 a thread] [flag keys] [flag words] [member bits, a byte a kv row]
+  // shared memory: [entries' rows, int, 16 a thread] [flag keys] [flag words] [member bits, a byte a kv row, + 1]
   const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
   int4* my_rows = reinterpret_cast<int4*>(smem) + (kEpt / 4) * tid;
   unsigned* fkeys = reinterpret_cast<unsigned*>(smem + kEpt * 4 * nt);
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   unsigned char* tab = reinterpret_cast<unsigned char*>(fvals + (1 << p.log_flags));
   const int k = tid / tpm, j0 = (tid - k * tpm) * kEpt;
   const int g = blockIdx.x, q = g * G + k;
-  const int M = p.merge, T = p.tile;
+  const int M = kFlat ? G : p.merge, T = p.tile;
   const Member me(k, M);
   const Blocks<G> blocks(k);
 
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     }
   }
   {  // clear the flag set and the member table (16-byte stores)
-    const int n16 = ((8 << p.log_flags) + p.s_kv + 15) / 16;
+    const int n16 = ((8 << p.log_flags) + p.s_kv + 1 + 15) / 16;  // (+1: the spare byte at row s_kv)
     uint4* z = reinterpret_cast<uint4*>(fkeys);
     for (int i = tid; i < n16; i += nt) z[i] = make_uint4(0u, 0u, 0u, 0u);
   }
@@ -226,17 +226,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
   // 1. membership: every valid entry ORs its member bit into its row's byte
   unsigned long long lv = 0ull;  // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
+  unsigned mk[kEpt / 4] = {};    // kFlat: the entries' member masks, a byte each
   {
     int (&rows)[kEpt] = ent;
     int cnt = 0;
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      if (rows[i] >= 0 && rows[i] < p.s_kv) {
-        atomicOr(reinterpret_cast<unsigned*>(tab) + (rows[i] >> 2), 1u << (8 * (rows[i] & 3) + k));
-        ++cnt;
-      } else {
-        rows[i] = -1;
-      }
+    for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
+      const bool ok = static_cast<unsigned>(rows[i]) < static_cast<unsigned>(p.s_kv);
+      const int r = ok ? rows[i] : p.s_kv;
+      atomicOr(reinterpret_cast<unsigned*>(tab) + (r >> 2), ok ? 1u << (8 * (r & 3) + k) : 0u);
+      rows[i] = ok ? rows[i] : -1;
+      cnt += ok;
     }
 #pragma unroll
     for (int i = 0; i < kEpt / 4; ++i) my_rows[i] = make_int4(rows[4 * i], rows[4 * i + 1], rows[4 * i + 2], rows[4 * i + 3]);
@@ -247,12 +247,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
     if constexpr (kFlat) {
       // 2-5 at once: column kinds (0: level G, member 0; 3: merged, lowest owner; 15: no column)
+      // An invalid entry reads the table's spare byte (row s_kv, never set), so no branch skips the load.
       constexpr unsigned kAll = (1u << G) - 1u;
+      const unsigned bit = 1u << k, f_all = k == 0 ? 0u : 15u;
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) {
-        const unsigned m = mask_of(tab, max(rows[i], 0));
-        const unsigned f = rows[i] < 0 ? 15u : m == kAll ? (k == 0 ? 0u : 15u) : (m & (0u - m)) == me.mlow ? 3u : 15u;
+        const unsigned m = mask_of(tab, rows[i] < 0 ? p.s_kv : rows[i]);
+        const unsigned f = m == kAll ? f_all : (m & (0u - m)) == bit ? 3u : 15u;
         lv |= static_cast<unsigned long long>(f) << (4 * i);
+        mk[i / 4] |= m << (8 * (i % 4));
       }
     } else {
       // 2. cascade levels from the member masks
@@ -427,7 +430,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     lvl = L, bits = ((1 << L) - 1) << (sb * L);
   }
   int my_mstart = 0;  // this thread's member's first column inside its block's merged segment
-  if (M > 1) {
+  if constexpr (kFlat) {  // one merged block: a scan of the members' merged counts (lane j: member j)
+    const int f3 = lane < G ? static_cast<int>(field(mt, 3)) : 0;
+    int inc = f3;
+#pragma unroll
+    for (int d = 1; d < G; d <<= 1) {
+      const int y = __shfl_up_sync(kFull, inc, d);
+      if (lane >= d) inc += y;
+    }
+    my_mstart = __shfl_sync(kFull, inc - f3, k);
+    const int n_mrg = __shfl_sync(kFull, inc, G - 1);
+    if (mrg_lane) n = n_mrg, bits = (1 << G) - 1;
+  } else if (M > 1) {
 #pragma unroll 1
     for (int j = 0; j < M; ++j) {
       const unsigned long long mj = __shfl_sync(kFull, mt, mrg_lane ? sb * M + j : 0);
@@ -484,16 +498,27 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     int acc = 0;
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
-      wcnt[f] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, field(c64, f)));
+      wcnt[f] = kFlat && (f == 1 || f == 2) ? 0 : static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, field(c64, f)));
       wstart[f] = __shfl_sync(0xFFFFFFFFu, dst[f], 0);
       local[f] = acc + dst[f] - wstart[f];
       acc += wcnt[f];
     }
   }
   __syncwarp();
+  if constexpr (kFlat) {  // two kinds, one pass; an entry's member bits are its mask (all bits at level G)
+    int* s0 = stage + local[0];
+    int* s3 = stage + local[3];
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {
+      const unsigned f = get_lvl(lv, i);
+      const int v = rows[i] | static_cast<int>(((mk[i / 4] >> (8 * (i % 4))) & 0xFFu) << kRowBits);
+      if (f == 0u) *s0++ = v;
+      if (f == 3u) *s3++ = v;
+    }
+  }
   // kind by kind (compile-time kinds: no per-entry selects among the four counters), in entry order
 #pragma unroll
-  for (int f = 0; f < 4; ++f) {
+  for (int f = 0; f < 4 && !kFlat; ++f) {
     if (wcnt[f] == 0) continue;  // (warp-uniform)
     int* sp = stage + local[f];
     const int fb = fbits[f] << kRowBits;
@@ -577,7 +602,8 @@ int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
 extern "C" {
 
 // threads = group_size * topk padded / 16 (a multiple of 32, <= 1024);
-// smem = 5 bytes a table slot (row word + flag byte) + 32 bytes a thread (its 16 slot numbers)
+// smem = 64 bytes a thread (its 16 rows, later its columns) + the pushed-row set (8 bytes a slot) + the
+// member table (a byte a kv row and a spare byte, rounded up to 16)
 int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threads, int smem, void* stream) {
   using namespace quilt_plan;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
