@@ -241,13 +241,14 @@ __device__ __forceinline__ Program program_of(const Params& p, int w, int& hbloc
   return pr;
 }
 
-// Matrix row r (0..63) of a program: query q0 + r / hb, head hblock * hb + r % hb (hb a power of two: lhb
-// is its log2, shifts instead of divisions); ok is false for padding rows and rows past s_q or h.
+// Matrix row r (0..63) of a program: query q0 + r / hb, head hblock * hb + r % hb (hb a power of two:
+// shifts instead of divisions); ok is false for padding rows and rows past s_q or h.
 struct RowOf {
   int qq, head;
   bool ok;
 };
-__device__ __forceinline__ RowOf row_of(const Params& p, const Program& pr, int hblock, int lhb, int r) {
+__device__ __forceinline__ RowOf row_of(const Params& p, const Program& pr, int hblock, int r) {
+  const int lhb = __ffs(p.hb) - 1;
   RowOf x;
   x.head = hblock * p.hb + (r & (p.hb - 1));
   x.qq = pr.q0 + (r >> lhb);
@@ -312,11 +313,11 @@ __device__ __forceinline__ void hand_over(const Params& p, int w, const Program&
     // once, not a division a copy: the boundary timeline had this loop at ~4300 cycles)
     const T* q = static_cast<const T*>(p.q);
     const uint32_t dst0 = smem_u32(smem + kSmemQ);
-    const int unit = t % 8, g = t / 8, lhb = __ffs(p.hb) - 1;  // (hb: a power of two)
+    const int unit = t % 8, g = t / 8;
 #pragma unroll 1
     for (int j = 0; j < 4; ++j) {  // (not unrolled: the producer has 72 registers)
       const int r = g + 16 * j;
-      const RowOf x = row_of(p, pr, hblock, lhb, r);
+      const RowOf x = row_of(p, pr, hblock, r);
       const T* src = q + (x.ok ? x.qq * p.stride_qs + x.head * p.stride_qh : 0) + unit * 8;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) cp_async16(dst0 + c * kChunkBytes + swz(r, unit), src + c * 64, x.ok);
@@ -768,12 +769,11 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
   if (tid == 0) QUILT_STAMP(k, 8);
   if (n_blocks == 0) mbar_arrive(bars.q_free());  // (no QK: arrived here instead)
   constexpr bool kPartial = sizeof(OutT) == 4;
-  const int lhb = __ffs(p.hb) - 1;  // (hb: a power of two: a shift, not a division)
   const int quad = lane % 4;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = r0e + 8 * i;
-    const RowOf x = row_of(p, pr, hblock, lhb, r);  // (a quad's four lanes share the row: shuffles below)
+    const RowOf x = row_of(p, pr, hblock, r);  // (a quad's four lanes share the row: shuffles below)
     const int qq = x.qq, head = x.head;
     const bool ok = x.ok;
     const float lt = red_sum[r] + red_sum[kRows + r];
