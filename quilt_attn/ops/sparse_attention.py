@@ -204,8 +204,8 @@ def default_group_size(h: int) -> int:
 
     A program runs every tile of its group that meets its queries, so in a group larger than a program the
     wider levels' tiles are run by each sibling program; the program-sized group runs those rows in the
-    same tiles, pads less, and plans faster (H200, glm53-like, s_q 16384: plan() 0.279 ms at group 4
-    against 0.372 at group 8, kernel time within noise; ``benchmarks/NOTES.md``, session 9).
+    same tiles, pads less, and plans faster (H200, glm53-like, s_q 16384: plan() 0.198 ms at group 4
+    against 0.370 at group 8, merge level 4, kernel time within noise; ``benchmarks/NOTES.md``, sessions 9-10).
     """
     qp = program_shape(h, 8)[0]
     return qp if qp > 1 else 8
