@@ -5,9 +5,9 @@ launched on a second stream gets no SM until it ends. Launched with ``132 - k`` 
 free; this times, on glm53-like s_q 16384 / s_kv 65536 / topk 2048 (bf16):
 
 - ``attn``: the attention over a prebuilt plan with ``132 - k`` CTAs, alone;
-- ``both``: the same launch, then ``plan()`` of a second index set (another seed: the next chunk's) on a
-  high-priority side stream that does not wait for the attention; timed from before the attention to
-  after both.
+- ``both``: ``quilt_attn.plan_ahead`` of a second index set (another seed: the next call's) on a
+  high-priority side stream, then the same launch; the planner does not wait for the attention; timed
+  from before the attention to after both (the current stream waits for the plan at the end).
 
 ``both`` over ``attn`` at k = 0 is the serial cost of planning; a steady-state chunk pipeline runs
 one ``both`` a chunk. Every attention output is checked against the float32 reference (NaN-poisoned
@@ -23,6 +23,7 @@ import torch
 
 from quilt_attn import bench
 from quilt_attn.bench import Case, make_inputs, plans_equal, rotating, save
+from quilt_attn.pipeline import plan_ahead
 from quilt_attn.planner import plan as make_plan
 from quilt_attn.workloads import generate
 
@@ -52,14 +53,10 @@ for h in map(int, a.h.split(",")):
         side_plans = []
 
         def both(q, kv, launch=launch, side_plans=side_plans):
-            main = torch.cuda.current_stream()
-            start = torch.cuda.Event()
-            start.record(main)
+            # quilt_attn.plan_ahead: the planner waits for the work before the attention, not for it
+            sp = plan_ahead(idx2, h, **pkw, plan_stream=side)
             launch(q, kv)
-            side.wait_event(start)  # not the attention: the planner starts beside it
-            with torch.cuda.stream(side):
-                sp = make_plan(idx2, **pkw)
-            main.wait_stream(side)
+            sp.wait()  # the current stream waits for the planner
             side_plans[:] = [sp]
 
         both(*inp.sets[0])

@@ -99,8 +99,8 @@ def sparse_prefill(
     indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``); -1 or ``>= s_kv`` entries are ignored.
     sm_scale : softmax scale, default ``d_qk ** -0.5``.
     method : ``"quilt"`` (shared-query execution), ``"query_parallel"`` or ``"reference"`` (float64).
-    plan : a ``Plan`` from ``quilt_attn.plan`` built from these ``indices`` (reuse it across layers);
-        built here when None.
+    plan : a ``Plan`` from ``quilt_attn.plan`` (or ``plan_ahead``, ``plan_chunks``) built from these
+        ``indices`` (reuse it across layers); built here when None.
     group_size : plan group (see ``quilt_attn.plan``); default: the queries one program holds (``64 // h``,
         at most 8; 8 at ``h >= 64``), see ``ops.sparse_attention.default_group_size``.
     tile, clip_threshold, importance_clip : planner settings (see ``quilt_attn.plan``).
@@ -128,6 +128,8 @@ def sparse_prefill(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(plan, Plan):
+        plan.wait()  # a plan_ahead plan: this stream waits for its planner (else nothing)
     require_tensor("q", q)
     require_ndim("q", q, (3,), "[s_q, h, d_qk]")
     require_tensor("kv", kv)

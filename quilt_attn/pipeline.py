@@ -1,7 +1,13 @@
-"""Chunked QUILT prefill with the planner overlapped: plan chunk i+1 on a side stream while chunk i attends.
+"""The planner overlapped with attention: ``plan_ahead`` (plan indices on a side stream, beside the
+attention the current stream runs next) and ``sparse_prefill_pipelined`` (plan chunk i+1 on a side stream
+while chunk i attends).
 
-Planning 16384 x 2048 indices costs 34-42% of the attention it serves on the H200 (benchmarks/NOTES.md,
-"Planner, current"). Groups are aligned to query 0 and planned independently, so the queries can be
+On the H200 the CUDA planner takes 6-10% of the CUDA attention's time at 8-16 heads (BENCHMARKS.md,
+"Planning plus attention"). That attention kernel holds every SM, so a planner beside it runs on the SMs
+its last programs leave idle: planned ahead beside a whole call it adds 4% at 16 heads (7% planned first);
+chunking one call costs the attention more than it hides there.
+
+Groups are aligned to query 0 and planned independently, so the queries can be
 cut into chunks of whole groups: the plan of a chunk equals the corresponding groups of the full plan
 (tested), and each chunk's attention writes its rows of one preallocated output. On a CUDA device the
 planner runs on a side stream one chunk ahead of the attention on the current stream; only the first
@@ -21,7 +27,6 @@ run QUILT: no fallback decision, hence no host sync. At ``h >= 64`` with ``fallb
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -39,8 +44,8 @@ from .planner import Plan
 from .planner import plan as make_plan
 from .planner.membership import check_group_size
 
-# One planning stream per device: the Triton planner shares a per-device scratch table
-# (planner/triton_plan.py, _workspace), so two plans must never run at once on two streams.
+# One planning stream per device (the Triton planner's scratch table is kept per stream:
+# planner/triton_plan.py, _workspace).
 _PLAN_STREAMS: dict = {}
 
 
@@ -114,10 +119,7 @@ def plan_chunks(indices: torch.Tensor, h: int, *, s_kv: int, chunk: int = 4096, 
 
 def _plan_tensors(p: Plan):
     """Every tensor a plan holds, its cached work lists included (all read by the attention kernels)."""
-    for f in dataclasses.fields(p):
-        v = getattr(p, f.name)
-        if isinstance(v, torch.Tensor):
-            yield v
+    yield from p.tensors()
     for v in p._work.values():
         for t in v if isinstance(v, tuple) else (v,):
             if isinstance(t, torch.Tensor):
@@ -160,6 +162,65 @@ def _default_plan_stream(device: torch.device):
     if key not in _PLAN_STREAMS:
         _PLAN_STREAMS[key] = torch.cuda.Stream(device=device, priority=torch.cuda.Stream.priority_range()[1])
     return _PLAN_STREAMS[key]
+
+
+def plan_ahead(indices: torch.Tensor, h: int, *, s_kv: int, topk_length: torch.Tensor | None = None,
+               group_size: int | None = None, tile: int = 64, clip_threshold: float = 0.5,
+               importance_clip: bool = False, merge_level: int | None = None, split_private: bool | None = None,
+               backend: str = "auto", plan_stream=None) -> Plan:
+    """Plan ``indices`` on a side stream, beside the work the current stream runs next.
+
+    For indices known before an attention that precedes theirs (the other micro-batch's, where an engine
+    interleaves two; the next request's): call this, then launch that attention. The planner starts once
+    the current stream's work so far is done (the indices are written) and runs on the SMs that the
+    attention leaves idle (H200, glm53-like, 16 heads, s_q 16384: attention + planning 1.04x the attention
+    alone, against 1.07x planned first; 8 heads: 1.06-1.08x against 1.11x). The plan is used like any other:
+    its first reader on a stream (``sparse_prefill(plan=...)``, ``Plan.stats``, ...) makes that stream wait
+    for the planner (``Plan.wait``), so no result depends on the timing. No host sync.
+
+    Parameters
+    ----------
+    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``). On the CPU it is planned at once.
+    h : heads of the q the plan will serve (sets ``sparse_prefill``'s defaults).
+    s_kv, topk_length, group_size, tile, clip_threshold, importance_clip, merge_level : as in
+        ``sparse_prefill``.
+    split_private : as in ``sparse_prefill``; None: as ``sparse_prefill`` plans for ``backend``.
+    backend : the attention backend the plan is for (``"cuda"``, ``"triton"``, or ``"auto"``: CUDA where
+        the CUDA backend can run on the indices' device): the CUDA kernel runs plans without split private
+        rows (except under ``importance_clip``), the Triton kernel with them.
+    plan_stream : the stream to plan on (default: the device's high-priority planning stream).
+
+    Returns
+    -------
+    A ``Plan`` equal to ``plan_chunks(indices, h, chunk=s_q, ...)[0]`` with the same settings.
+    """
+    from .ops import cuda_backend
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+        raise ValueError(f"h must be a positive int, got {h!r}")
+    indices = canonical_indices(indices)
+    topk_length = check_topk_length(topk_length, indices.shape[0], indices.device)
+    if split_private is None:
+        cuda = backend == "cuda" or (backend == "auto" and cuda_backend.unavailable_reason(indices.device) is None)
+        split_private = importance_clip if cuda else True
+    group_size = _group_size(h, group_size)
+    pkw = _plan_settings(h, group_size, tile, clip_threshold, importance_clip, merge_level, split_private)
+    if indices.device.type != "cuda":
+        return make_plan(indices, s_kv=s_kv, topk_length=topk_length, **pkw)
+    main = torch.cuda.current_stream(indices.device)
+    side = plan_stream if plan_stream is not None else _default_plan_stream(indices.device)
+    side.wait_stream(main)  # the indices (and topk_length) are written by work already on the current stream
+    with torch.cuda.stream(side):
+        p = make_plan(indices, s_kv=s_kv, topk_length=topk_length, **pkw)
+        ready = torch.cuda.Event()
+        ready.record(side)
+    for t in (indices, topk_length):  # read on the side stream: keep their memory until it is done
+        if t is not None:
+            t.record_stream(side)
+    p._ready = ready
+    return p
 
 
 def sparse_prefill_pipelined(
@@ -301,7 +362,7 @@ def sparse_prefill_pipelined(
         """Chunk i's plan, whether it runs QUILT, and its work list built here (not on the attention's stream)."""
         q0, q1 = bounds[i]
         if plans is not None:
-            p = plans[i]
+            p = plans[i].wait()  # (a plan_ahead plan: this stream waits for its planner)
         else:
             p = make_plan(indices[q0:q1], s_kv=s_kv,
                           topk_length=None if topk_length is None else topk_length[q0:q1], **pkw)

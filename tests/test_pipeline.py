@@ -1,4 +1,5 @@
-"""``sparse_prefill_pipelined``: chunked QUILT prefill with the planner one chunk ahead (quilt_attn/pipeline.py).
+"""``sparse_prefill_pipelined`` (chunked QUILT prefill with the planner one chunk ahead) and ``plan_ahead``
+(a plan built on a side stream beside the next attention), quilt_attn/pipeline.py.
 
 The claim it rests on: groups are aligned to query 0 and planned independently, so the plan of a
 chunk of whole groups equals those groups of the full plan; the pipelined outputs then equal the
@@ -15,7 +16,8 @@ import torch
 
 from conftest import HAS_CUDA, KERNEL_DEVICE, assert_matches_reference, indexer_aligned_inputs, make_inputs, randn
 from quilt_attn import plan as make_plan
-from quilt_attn import quantize_fp8, sparse_prefill, sparse_prefill_pipelined
+from quilt_attn import plan_ahead, quantize_fp8, sparse_prefill, sparse_prefill_pipelined
+from quilt_attn.bench import plans_equal
 from quilt_attn.ops.sparse_attention import default_group_size, program_shape, runs_quilt
 from quilt_attn.pipeline import chunk_bounds, plan_chunks
 from quilt_attn.workloads import generate
@@ -311,3 +313,56 @@ def test_gpu_cuda_pipelined_equals_unchunked(h, kv_kind):
     fin = torch.isfinite(rl)
     assert torch.equal(torch.isfinite(whole[2][rows]), fin)
     assert (whole[2][rows][fin].double() - rl[fin].double()).abs().max().item() < 2e-3
+
+
+def test_plan_ahead_on_the_cpu_plans_at_once():
+    """On the CPU ``plan_ahead`` plans on the spot: the plan equals ``plan_chunks``' unchunked one with the
+    settings ``sparse_prefill`` uses for the attention backend it names (Triton: private rows split off;
+    CUDA: not), carries no event, and ``wait`` does nothing. Bad arguments name themselves."""
+    s_q, s_kv, topk, h = 40, 256, 24, 4
+    idx = generate("glm53-like", s_q, s_kv, topk, seed=2)
+    lengths = torch.full((s_q,), topk, dtype=torch.int32)
+    lengths[3] = 5
+    for backend, split in (("triton", True), ("cuda", False)):
+        got = plan_ahead(idx, h, s_kv=s_kv, topk_length=lengths, tile=16, backend=backend)
+        want = plan_chunks(idx, h, s_kv=s_kv, chunk=s_q, topk_length=lengths, tile=16, split_private=split)[0]
+        assert got._ready is None and got.wait() is got
+        assert got.split_private is split and plans_equal(got, want) and got.stats == want.stats, backend
+    with pytest.raises(ValueError, match="backend must be one of"):
+        plan_ahead(idx, h, s_kv=s_kv, backend="cpu")
+    with pytest.raises(ValueError, match="h must be a positive int"):
+        plan_ahead(idx, 0, s_kv=s_kv)
+
+
+@pytest.mark.gpu
+@no_interp
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_plan_ahead_beside_the_attention(backend):
+    """``plan_ahead`` plans the next index set on the planning stream beside an attention call on the current
+    stream: that index set is written on the current stream just before (the planner must wait for it) and
+    dropped right after (plan_ahead keeps its memory for the planner); the plan equals one made on the
+    current stream, and the attention it then serves equals ``sparse_prefill``'s own bit for bit. Three
+    rounds, so plan memory is recycled between them; a non-default current stream."""
+    if backend == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CUDA backend needs an sm_90 GPU")
+    s_q, s_kv, topk, h = 2048, 8192, 2048, 16
+    idx1 = generate("glm53-like", s_q, s_kv, topk, seed=7, device="cuda")
+    q = randn(s_q, h, 576, seed=60, dtype=torch.bfloat16, device="cuda")
+    kv = randn(s_kv, 576, seed=61, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            idx2 = generate("glm53-like", s_q, s_kv, topk, seed=8, device="cuda")
+            ahead = plan_ahead(idx2, h, s_kv=s_kv, backend=backend)
+            del idx2
+            sparse_prefill(q, kv, idx1, backend=backend)  # the attention the planner runs beside
+            got = sparse_prefill(q, kv, generate("glm53-like", s_q, s_kv, topk, seed=8, device="cuda"),
+                                 plan=ahead, backend=backend)
+    torch.cuda.synchronize()
+    idx2 = generate("glm53-like", s_q, s_kv, topk, seed=8, device="cuda")
+    G = default_group_size(h)
+    here = make_plan(idx2, s_kv=s_kv, group_size=G, merge_level=program_shape(h, G)[0],
+                     split_private=backend == "triton")
+    assert plans_equal(ahead, here) and ahead.stats == here.stats
+    assert_same_bits(got, sparse_prefill(q, kv, idx2, backend=backend), what=f"plan_ahead, {backend}")

@@ -17,6 +17,7 @@ path, one CTA a group with its table in shared memory), a fused Triton kernel
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -80,6 +81,30 @@ class Plan:
     valid_pairs: torch.Tensor
     _stats: dict | None = field(default=None, repr=False)
     _work: dict = field(default_factory=dict, repr=False)
+    _ready: object = field(default=None, repr=False)  # plan_ahead: a CUDA event after the planner's work
+    _waited: set = field(default_factory=set, repr=False)  # streams already ordered after that event
+
+    def tensors(self):
+        """The plan's tensor fields (those a planner wrote), in field order."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                yield v
+
+    def wait(self, stream=None) -> "Plan":
+        """Order ``stream`` (default: the current stream) after the planner of a plan that ``plan_ahead``
+        built on another stream, and keep the plan's memory from being reused before that stream's work on
+        it is done. Every reader of a plan calls it (``sparse_prefill``, ``stats``, ``work_list``); for any
+        other plan it does nothing. No host sync."""
+        if self._ready is None:
+            return self
+        s = torch.cuda.current_stream(self.device) if stream is None else stream
+        if s.cuda_stream not in self._waited:
+            s.wait_event(self._ready)
+            for t in self.tensors():  # allocated on the planner's stream, read on this one
+                t.record_stream(s)
+            self._waited.add(s.cuda_stream)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -97,6 +122,7 @@ class Plan:
     def stats(self) -> dict:
         """Plan statistics (computed once; reading them syncs with the device)."""
         if self._stats is None:
+            self.wait()
             tiles = int(self.group_tiles.sum())
             tile_rows = int(self.group_rows.sum())
             priv = int(self.priv_n.sum()) if self.priv_n is not None else 0
@@ -147,6 +173,7 @@ class Plan:
             raise ValueError(f"queries_per_program must be a power of two >= 1, got {queries_per_program}")
         qp = min(queries_per_program, self.group_size)
         if qp not in self._work:
+            self.wait()
             n_sub, cap, dev = self.group_size // qp, self.capacity, self.device
             if n_sub == 1:
                 ids = torch.arange(self.n_groups * cap, device=dev, dtype=torch.int32).view(self.n_groups, cap)

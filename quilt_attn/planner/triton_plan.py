@@ -209,8 +209,11 @@ def _plan_kernel(
 
 
 def _workspace(device: torch.device, n_prog: int, s_kv: int) -> torch.Tensor:
-    """A zeroed ``[n_prog, s_kv]`` int32 table, kept per device (the kernel leaves it zero)."""
-    key = (device.type, device.index)
+    """A zeroed ``[n_prog, s_kv]`` int32 table, kept per device and stream (the kernel leaves it zero): plans
+    on two streams (``plan_ahead`` beside a ``sparse_prefill`` that plans) may run at once; on one stream
+    they run in order, and a table that grows is freed in that order."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
     ws = _WORKSPACE.get(key)
     if ws is None or ws.numel() < n_prog * s_kv:
         ws = torch.zeros(n_prog * s_kv, dtype=torch.int32, device=device)
