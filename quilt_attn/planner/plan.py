@@ -35,7 +35,9 @@ class Plan:
     """A QUILT execution plan: a flat, tile-granular work list per group of queries.
 
     Tensors live on the device of the indices. ``n_groups = ceil(s_q / group_size)`` and
-    ``cap`` is a per-group tile capacity large enough for any input.
+    ``cap`` is a per-group tile capacity large enough for any input. A plan from ``plan_ahead`` is
+    still being written on another stream: code that reads its tensors itself calls ``wait()`` first
+    (the library's readers do).
 
     Attributes
     ----------
