@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize_plan.py
 
 Plans a few small index sets with the CUDA planner (groups 8 / 4 / 2 / 1, merge levels at and below the group,
-importance clipping, split private rows, ``topk_length``, invalid entries, a partial last group) and
+importance clipping, split private rows, ``topk_length``, invalid entries, a partial last group; and group 8
+over 1000-entry lists, where a thread holds two runs of 16 entries) and
 compares every plan field by field with the torch planner's (on the CPU, so only the planner kernel
 runs under the sanitizer). Exits non-zero on a mismatch.
 """
@@ -36,4 +37,17 @@ for G, M, iclip, split, tl in [(8, 8, False, False, False), (8, 4, False, False,
     ok = plans_equal(got, want)
     bad += not ok
     print(f"G={G} merge={M} iclip={iclip} split={split} topk_length={tl}: {'same as torch' if ok else 'DIFFERS'}")
+# group 8 over lists of more than 512 entries: two runs of 16 entries a thread (512-thread CTAs)
+long = generate("glm53-like", s_q, s_kv, 1000, seed=5)
+long[3, 100:400] = -1
+long[6, 9] = s_kv + 1
+long_len = torch.full((s_q,), 1000, dtype=torch.int32)
+long_len[9], long_len[20] = 700, 0
+for T, tau in ((64, 0.5), (16, 1.0)):
+    kw = dict(s_kv=s_kv, group_size=8, merge_level=8, tile=T, clip_threshold=tau)
+    got = make_plan(long.cuda(), backend="cuda", topk_length=long_len.cuda(), **kw)
+    torch.cuda.synchronize()
+    ok = plans_equal(got, make_plan(long, backend="torch", topk_length=long_len, **kw))
+    bad += not ok
+    print(f"topk=1000 G=8 merge=8 tile={T} tau={tau}: {'same as torch' if ok else 'DIFFERS'}")
 sys.exit(1 if bad else 0)

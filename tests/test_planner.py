@@ -725,6 +725,17 @@ def test_cuda_planner_matches_torch_gpu(G, M, T, tau, imp, split, seed, monkeypa
     _backend_case(G, M, T, tau, imp, "bitmap", "cuda", seed=seed, backend="cuda", split=split)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_HOPPER, reason="the CUDA planner needs an sm_90 GPU")
+@pytest.mark.parametrize("T,tau,topk", [(64, 0.5, 1000), (16, 1.0, 1000), (32, 0.0, 2048), (64, 1.0, 2048)])
+def test_cuda_planner_two_runs_a_thread(T, tau, topk, monkeypatch):
+    """Group 8 at merge level 8 with lists of more than 512 entries: 512-thread CTAs whose threads hold two
+    runs of 16 entries (the second run's rows read again from the list for the tile writes); invalid
+    entries, topk_length and a partial last group included; equal to the torch planner."""
+    _poison_cuda_plan_buffers(monkeypatch)
+    _backend_case(8, 8, T, tau, False, "bitmap", "cuda", s_q=300, topk=topk, s_kv=6000, backend="cuda")
+
+
 def _poison_cuda_plan_buffers(monkeypatch):
     from quilt_attn.planner import cuda_plan
 

@@ -10,7 +10,8 @@
 // at the merge level: a row pushed from there makes a column of the block's representative only.
 //
 // Plans whose merge level is the group (the defaults at 8, 16 and 32 heads) take a shorter path, kFlat
-// below: one lookup and one scan instead of levels, a clipping scan and a second lookup pass.
+// below: one lookup and one scan instead of levels, a clipping scan and a second lookup pass; at group 8
+// over lists of more than 512 entries its threads hold two runs of 16 entries, so that two CTAs fit an SM.
 //
 // Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384, and a context whose
 // table fits next to the group's entries (s_kv up to about 150K rows). Anything else runs the Triton
@@ -177,7 +178,10 @@ __device__ __forceinline__ int column_field(unsigned lvl, unsigned m, const Memb
 // where it is a column of its lowest owner; clipping can only move member 0's own level-G rows into the
 // merged segment. So one lookup an entry gives its column kind, and one scan places every column:
 // member 0's clipping is decided from the scan's totals and folded into its prefixes afterwards.
-template <int G, bool kFlat>
+// kH (kFlat only): a thread holds kH runs of 16 entries, run h at list position j0 + h * (16 * tpm). With
+// kH = 2 a group of 8 takes 512 threads instead of 1024, and its rows are read again from the list for the
+// tile writes instead of kept in shared memory, so two CTAs fit an SM (registers and shared memory).
+template <int G, bool kFlat, int kH = 1>
 __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ unsigned long long wsum[2 * 32];
@@ -197,25 +201,28 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   const Blocks<G> blocks(k);
 
   // this thread's list entries, loaded first: their latency runs under the table clear below
-  int ent[kEpt];
-  {
-    int lim = 0;
-    if (q < p.s_q) {
-      lim = p.topk;
-      if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
-    }
-    const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
-    if (j0 + kEpt <= lim && (reinterpret_cast<uintptr_t>(list + j0) & 15u) == 0u) {
+  const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
+  int lim = 0;
+  if (q < p.s_q) {
+    lim = p.topk;
+    if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
+  }
+  auto load16 = [&](int j, int (&r)[kEpt]) {  // entries j .. j + 15 of this member's list (-1 from lim on)
+    if (j + kEpt <= lim && (reinterpret_cast<uintptr_t>(list + j) & 15u) == 0u) {
 #pragma unroll
       for (int i = 0; i < kEpt; i += 4) {
-        const int4 v = __ldg(reinterpret_cast<const int4*>(list + j0 + i));
-        ent[i] = v.x, ent[i + 1] = v.y, ent[i + 2] = v.z, ent[i + 3] = v.w;
+        const int4 v = __ldg(reinterpret_cast<const int4*>(list + j + i));
+        r[i] = v.x, r[i + 1] = v.y, r[i + 2] = v.z, r[i + 3] = v.w;
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < kEpt; ++i) ent[i] = j0 + i < lim ? __ldg(list + j0 + i) : -1;
+      for (int i = 0; i < kEpt; ++i) r[i] = j + i < lim ? __ldg(list + j + i) : -1;
     }
-  }
+  };
+  const int run = tpm * kEpt;  // list entries between a thread's runs (kH > 1)
+  int ent[kH][kEpt];
+#pragma unroll
+  for (int h = 0; h < kH; ++h) load16(j0 + h * run, ent[h]);
   {  // clear the flag set and the member table (16-byte stores)
     const int n16 = ((8 << p.log_flags) + p.s_kv + 1 + 15) / 16;  // (+1: the spare byte at row s_kv)
     uint4* z = reinterpret_cast<uint4*>(fkeys);
@@ -226,18 +233,24 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 
   // 1. membership: every valid entry ORs its member bit into its row's byte
   unsigned long long lv = 0ull;  // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
-  unsigned mk[kEpt / 4] = {};    // kFlat: the entries' member masks, a byte each
+  unsigned long long lvh[kH] = {};   // kFlat: each run's column kinds, 4 bits an entry
+  unsigned mk[kH][kEpt / 4] = {};    // kFlat: the entries' member masks, a byte each
   {
-    int (&rows)[kEpt] = ent;
+    int (&rows)[kEpt] = ent[0];
     int cnt = 0;
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
-      const bool ok = static_cast<unsigned>(rows[i]) < static_cast<unsigned>(p.s_kv);
-      const int r = ok ? rows[i] : p.s_kv;
-      atomicOr(reinterpret_cast<unsigned*>(tab) + (r >> 2), ok ? 1u << (8 * (r & 3) + k) : 0u);
-      rows[i] = ok ? rows[i] : -1;
-      cnt += ok;
+    for (int h = 0; h < kH; ++h) {
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
+        const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
+        const int r = ok ? ent[h][i] : p.s_kv;
+        atomicOr(reinterpret_cast<unsigned*>(tab) + (r >> 2), ok ? 1u << (8 * (r & 3) + k) : 0u);
+        ent[h][i] = ok ? ent[h][i] : -1;
+        cnt += ok;
+      }
     }
+    // run 0's rows wait in shared memory (kH > 1: the other runs' stay in registers until their column kinds
+    // are known, and their tile writes read the list again)
 #pragma unroll
     for (int i = 0; i < kEpt / 4; ++i) my_rows[i] = make_int4(rows[4 * i], rows[4 * i + 1], rows[4 * i + 2], rows[4 * i + 3]);
 #pragma unroll
@@ -251,11 +264,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       constexpr unsigned kAll = (1u << G) - 1u;
       const unsigned bit = 1u << k, f_all = k == 0 ? 0u : 15u;
 #pragma unroll
-      for (int i = 0; i < kEpt; ++i) {
-        const unsigned m = mask_of(tab, rows[i] < 0 ? p.s_kv : rows[i]);
-        const unsigned f = m == kAll ? f_all : (m & (0u - m)) == bit ? 3u : 15u;
-        lv |= static_cast<unsigned long long>(f) << (4 * i);
-        mk[i / 4] |= m << (8 * (i % 4));
+      for (int h = 0; h < kH; ++h) {
+        int rr[kEpt];
+        if (kH > 1 && h == 0) {
+          load_rows(my_rows, rr);  // (frees run 0's registers across the barrier)
+        } else {
+#pragma unroll
+          for (int i = 0; i < kEpt; ++i) rr[i] = ent[h][i];
+        }
+#pragma unroll
+        for (int i = 0; i < kEpt; ++i) {
+          const unsigned m = mask_of(tab, rr[i] < 0 ? p.s_kv : rr[i]);
+          const unsigned f = m == kAll ? f_all : (m & (0u - m)) == bit ? 3u : 15u;
+          lvh[h] |= static_cast<unsigned long long>(f) << (4 * i);
+          mk[h][i / 4] |= m << (8 * (i % 4));
+        }
       }
     } else {
       // 2. cascade levels from the member masks
@@ -322,7 +345,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   }
 
   int rows[kEpt];
-  load_rows(my_rows, rows);
+  if constexpr (!kFlat) load_rows(my_rows, rows);
   // 4. private rows: importance-aware clipping drops the lowest-ranked r; split lists the rest per query
   if (!kFlat && (p.iclip || p.split)) {
     unsigned pmask = 0u;
@@ -377,8 +400,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       }
     }
   }
+  if constexpr (kFlat) {  // kH = 1: fields 0 and 3 (level G, merged); kH = 2: field 2h + (merged) for run h
 #pragma unroll
-  for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(count_nibbles(lv, ff)) << (16 * ff);
+    for (int h = 0; h < kH; ++h) {
+      c64 |= static_cast<unsigned long long>(count_nibbles(lvh[h], 0)) << (16 * (kH == 1 ? 0 : 2 * h));
+      c64 |= static_cast<unsigned long long>(count_nibbles(lvh[h], 3)) << (16 * (kH == 1 ? 3 : 2 * h + 1));
+    }
+  } else {
+#pragma unroll
+    for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(count_nibbles(lv, ff)) << (16 * ff);
+  }
   unsigned long long tot64;
   // this member's columns before mine
   unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, tot64);
@@ -397,7 +428,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       for (int w = 0; w < wpm; ++w) mt += ws[lane * wpm + w];
     }
   }
+  // kFlat: each run's columns before it in rank order (pos0: level G, pos3: merged) and its counts
+  unsigned pos0[kH] = {}, pos3[kH] = {}, cnt0[kH] = {}, cnt3[kH] = {};
   if constexpr (kFlat) {
+    if constexpr (kH == 1) {
+      pos0[0] = field(mine, 0), pos3[0] = field(mine, 3), cnt0[0] = field(c64, 0), cnt3[0] = field(c64, 3);
+    } else {  // every thread's run h precedes every run h + 1 of its member
+      unsigned b0 = 0u, b3 = 0u;
+#pragma unroll
+      for (int h = 0; h < kH; ++h) {
+        pos0[h] = b0 + field(mine, 2 * h), pos3[h] = b3 + field(mine, 2 * h + 1);
+        cnt0[h] = field(c64, 2 * h), cnt3[h] = field(c64, 2 * h + 1);
+        b0 += field(tot64, 2 * h), b3 += field(tot64, 2 * h + 1);
+      }
+      if (lane < G) mt = (field(mt, 0) + field(mt, 2)) | static_cast<unsigned long long>(field(mt, 1) + field(mt, 3)) << 48;
+    }
     // tile-aware clipping of the level-G segment (member 0's kind-0 columns, n of them): its last
     // r = n % T rows by rank move to member 0's merged columns, so every count and prefix of member 0
     // moves by what lies past the cut
@@ -405,18 +450,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     if (r0 > 0u && static_cast<float>(r0) < p.thr) {  // (block-uniform)
       if (lane == 0) mt += (static_cast<unsigned long long>(r0) << 48) - r0;
       if (k == 0) {
-        const unsigned before = field(mine, 0);
-        unsigned pos = before, moved = 0u;
 #pragma unroll
-        for (int i = 0; i < kEpt; ++i) {
-          if (get_lvl(lv, i) == 0u) {
-            if (pos >= cut) set_lvl(lv, i, 3u), ++moved;
-            ++pos;
+        for (int h = 0; h < kH; ++h) {
+          unsigned pos = pos0[h], moved = 0u;
+#pragma unroll
+          for (int i = 0; i < kEpt; ++i) {
+            if (get_lvl(lvh[h], i) == 0u) {
+              if (pos >= cut) set_lvl(lvh[h], i, 3u), ++moved;
+              ++pos;
+            }
           }
+          const unsigned past = pos0[h] > cut ? pos0[h] - cut : 0u;
+          pos0[h] -= past, pos3[h] += past, cnt0[h] -= moved, cnt3[h] += moved;
         }
-        const unsigned past = before > cut ? before - cut : 0u;
-        mine += (static_cast<unsigned long long>(past) << 48) - past;
-        c64 += (static_cast<unsigned long long>(moved) << 48) - moved;
       }
     }
   }
@@ -473,75 +519,98 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
   const long long gbase = static_cast<long long>(g) * p.cap;
   int* kv_out = p.tile_kv + gbase * T;
   int* mask_out = p.tile_mask + gbase * T;
-  load_rows(my_rows, rows);  // reloaded, not held in registers across the scan
-  int dst[4], fbits[4];      // next slot of this thread's columns and their member bits, per kind
-#pragma unroll
-  for (int f = 0; f < 4; ++f) {
-    int sid = -1, extra = 0;
-    if (f < n_lev && f < kLevels) {
-      if ((k & ((G >> f) - 1)) == 0) sid = (1 << f) - 1 + (k >> (ilog2_c(G) - f));
-    } else if (f == 3 && M > 1) {
-      sid = 2 * G / M - 1 + (k >> ilog2(M));
-      extra = my_mstart;
-    }
-    const int off = __shfl_sync(kFull, first, sid < 0 ? 0 : sid), sbits = __shfl_sync(kFull, bits, sid < 0 ? 0 : sid);
-    dst[f] = sid < 0 ? 0 : off * T + static_cast<int>(field(mine, f)) + extra;
-    fbits[f] = sid < 0 ? 0 : sbits;
-  }
   // Columns leave through this warp's 512-int stretch of the rows area (its rows are in registers now):
   // a warp lies inside one member's list, so each kind's columns of the warp fill one contiguous range
   // of slots; staged there in order, they are written with whole-warp (coalesced) stores.
-  const bool merged3 = M > 1;  // kind 3 is the merged segment (else level 1)
   int* stage = reinterpret_cast<int*>(smem) + (tid - lane) * kEpt;
-  int wstart[4], wcnt[4], local[4];
-  {
-    int acc = 0;
+  if constexpr (kFlat) {  // run by run: two kinds, one pass; an entry's member bits are its mask
+    const int off0 = __shfl_sync(kFull, first, 0) * T, off3 = __shfl_sync(kFull, first, 1) * T + my_mstart;
 #pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      wcnt[f] = kFlat && (f == 1 || f == 2) ? 0 : static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, field(c64, f)));
-      wstart[f] = __shfl_sync(0xFFFFFFFFu, dst[f], 0);
-      local[f] = acc + dst[f] - wstart[f];
-      acc += wcnt[f];
-    }
-  }
-  __syncwarp();
-  if constexpr (kFlat) {  // two kinds, one pass; an entry's member bits are its mask (all bits at level G)
-    int* s0 = stage + local[0];
-    int* s3 = stage + local[3];
+    for (int h = 0; h < kH; ++h) {
+      int rows[kEpt];  // (an entry with a column is valid: a list read again needs no checks)
+      if (h == 0) {
+        load_rows(my_rows, rows);
+      } else {
+        load16(j0 + h * run, rows);
+      }
+      const int d0 = off0 + static_cast<int>(pos0[h]), d3 = off3 + static_cast<int>(pos3[h]);
+      const int w0 = static_cast<int>(__reduce_add_sync(kFull, cnt0[h]));
+      const int w3 = static_cast<int>(__reduce_add_sync(kFull, cnt3[h]));
+      const int s0 = __shfl_sync(kFull, d0, 0), s3 = __shfl_sync(kFull, d3, 0);
+      int* p0 = stage + (d0 - s0);
+      int* p3 = stage + w0 + (d3 - s3);
+      __syncwarp();  // (the stretch held this warp's rows, or the last run's columns)
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      const unsigned f = get_lvl(lv, i);
-      const int v = rows[i] | static_cast<int>(((mk[i / 4] >> (8 * (i % 4))) & 0xFFu) << kRowBits);
-      if (f == 0u) *s0++ = v;
-      if (f == 3u) *s3++ = v;
-    }
-  }
-  // kind by kind (compile-time kinds: no per-entry selects among the four counters), in entry order
-#pragma unroll
-  for (int f = 0; f < 4 && !kFlat; ++f) {
-    if (wcnt[f] == 0) continue;  // (warp-uniform)
-    int* sp = stage + local[f];
-    const int fb = fbits[f] << kRowBits;
-#pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      if (get_lvl(lv, i) == static_cast<unsigned>(f)) {
-        int b = fb;
-        if (f == 3 && merged3) b = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift) << kRowBits;
-        *sp++ = rows[i] | b;  // rows < 2^18, member bits <= 8
+      for (int i = 0; i < kEpt; ++i) {
+        const unsigned f = get_lvl(lvh[h], i);
+        const int v = rows[i] | static_cast<int>(((mk[h][i / 4] >> (8 * (i % 4))) & 0xFFu) << kRowBits);
+        if (f == 0u) *p0++ = v;
+        if (f == 3u) *p3++ = v;
+      }
+      __syncwarp();
+      for (int x = lane; x < w0 + w3; x += 32) {
+        const int v = stage[x];
+        const int d = x < w0 ? s0 + x : s3 + (x - w0);
+        kv_out[d] = v & ((1 << kRowBits) - 1);
+        mask_out[d] = v >> kRowBits;
       }
     }
-  }
-  __syncwarp();
-  {
-    int acc = 0;
+  } else {
+    load_rows(my_rows, rows);  // reloaded, not held in registers across the scan
+    int dst[4], fbits[4];      // next slot of this thread's columns and their member bits, per kind
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
-      for (int x = lane; x < wcnt[f]; x += 32) {
-        const int v = stage[acc + x];
-        kv_out[wstart[f] + x] = v & ((1 << kRowBits) - 1);
-        mask_out[wstart[f] + x] = v >> kRowBits;
+      int sid = -1, extra = 0;
+      if (f < n_lev && f < kLevels) {
+        if ((k & ((G >> f) - 1)) == 0) sid = (1 << f) - 1 + (k >> (ilog2_c(G) - f));
+      } else if (f == 3 && M > 1) {
+        sid = 2 * G / M - 1 + (k >> ilog2(M));
+        extra = my_mstart;
       }
-      acc += wcnt[f];
+      const int off = __shfl_sync(kFull, first, sid < 0 ? 0 : sid), sbits = __shfl_sync(kFull, bits, sid < 0 ? 0 : sid);
+      dst[f] = sid < 0 ? 0 : off * T + static_cast<int>(field(mine, f)) + extra;
+      fbits[f] = sid < 0 ? 0 : sbits;
+    }
+    const bool merged3 = M > 1;  // kind 3 is the merged segment (else level 1)
+    int wstart[4], wcnt[4], local[4];
+    {
+      int acc = 0;
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        wcnt[f] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, field(c64, f)));
+        wstart[f] = __shfl_sync(0xFFFFFFFFu, dst[f], 0);
+        local[f] = acc + dst[f] - wstart[f];
+        acc += wcnt[f];
+      }
+    }
+    __syncwarp();
+    // kind by kind (compile-time kinds: no per-entry selects among the four counters), in entry order
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      if (wcnt[f] == 0) continue;  // (warp-uniform)
+      int* sp = stage + local[f];
+      const int fb = fbits[f] << kRowBits;
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) {
+        if (get_lvl(lv, i) == static_cast<unsigned>(f)) {
+          int b = fb;
+          if (f == 3 && merged3) b = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift) << kRowBits;
+          *sp++ = rows[i] | b;  // rows < 2^18, member bits <= 8
+        }
+      }
+    }
+    __syncwarp();
+    {
+      int acc = 0;
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        for (int x = lane; x < wcnt[f]; x += 32) {
+          const int v = stage[acc + x];
+          kv_out[wstart[f] + x] = v & ((1 << kRowBits) - 1);
+          mask_out[wstart[f] + x] = v >> kRowBits;
+        }
+        acc += wcnt[f];
+      }
     }
   }
   // padding slots of each segment's last tile (a warp a segment), and every tile's level / block
@@ -591,6 +660,14 @@ template <int G>
 int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
   const bool flat = G >= 2 && p.merge == G && !p.iclip && !p.split;
   auto kernel = flat ? plan_kernel<G, G >= 2> : plan_kernel<G, false>;
+  if constexpr (G == 8) {
+    // a 1024-thread group: two runs a thread, 512 threads, no rows area (members stay whole warps)
+    if (flat && (threads / G) % 64 == 0) {
+      kernel = plan_kernel<8, true, 2>;
+      smem -= kEpt * 4 * (threads / 2);
+      threads /= 2;
+    }
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
   kernel<<<p.n_groups, threads, smem, stream>>>(p);
