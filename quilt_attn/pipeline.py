@@ -2,7 +2,7 @@
 attention the current stream runs next) and ``sparse_prefill_pipelined`` (plan chunk i+1 on a side stream
 while chunk i attends).
 
-On the H200 the CUDA planner takes 6-10% of the CUDA attention's time at 8-16 heads (BENCHMARKS.md,
+On the H200 the CUDA planner takes 6-9% of the CUDA attention's time at 8-16 heads (BENCHMARKS.md,
 "Planning plus attention"). That attention kernel holds every SM, so a planner beside it runs on the SMs
 its last programs leave idle: planned ahead beside a whole call it adds 4% at 16 heads (7% planned first);
 chunking one call costs the attention more than it hides there.
@@ -26,7 +26,6 @@ run QUILT: no fallback decision, hence no host sync. At ``h >= 64`` with ``fallb
 ``importance_clip``) neither backend plans: all queries run query-parallel in one launch.
 """
 from __future__ import annotations
-
 
 import torch
 
