@@ -128,6 +128,15 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
          (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// the descriptor of the operand `bytes` further on: the start-address field (bits 0-13, address / 16) takes the
+// offset without a carry, since every shared-memory address here is below 2^18. One 32-bit add where building
+// each k-step's descriptor from its address cost ~10 uniform-datapath instructions (ncu: 14% of the kernel's).
+__device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t bytes) {
+  uint64_t r;
+  asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(static_cast<uint32_t>(d) + (bytes >> 4)), "r"(static_cast<uint32_t>(d >> 32)));
+  return r;
+}
+
 template <typename T>
 struct Mma;
 template <>
@@ -421,13 +430,13 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
 // ------------------------------------------------------------------------------ consumers
 template <typename T>
 __device__ __forceinline__ void qk_chunks(float (&s)[32], uint32_t sq, uint32_t skv, int c0, int c1, bool first) {
+  const uint64_t dq = desc_sw128(sq, 16, 1024), dkv = desc_sw128(skv, 16, 1024);
 #pragma unroll
   for (int c = c0; c < c1; ++c) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint64_t da = desc_sw128(sq + c * kChunkBytes + k * 32, 16, 1024);
-      const uint64_t db = desc_sw128(skv + c * kChunkBytes + k * 32, 16, 1024);
-      Mma<T>::qk(s, da, db, (first && c == c0 && k == 0) ? 0 : 1);
+      const uint32_t off = c * kChunkBytes + k * 32;
+      Mma<T>::qk(s, desc_at(dq, off), desc_at(dkv, off), (first && c == c0 && k == 0) ? 0 : 1);
     }
   }
 }
@@ -435,20 +444,21 @@ __device__ __forceinline__ void qk_chunks(float (&s)[32], uint32_t sq, uint32_t 
 // O[:, 256 wg ...] += P V with P (64 x 64) in registers, as the QK accumulator layout gives it
 template <typename T>
 __device__ __forceinline__ void pv_regs(float (&o)[128], const uint32_t (&pk)[16], uint32_t skv, int wg) {
+  const uint64_t dv = desc_sw128(skv + wg * 4 * kChunkBytes, kChunkBytes, 1024);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {  // 16 kv rows a step
     const uint32_t a[4] = {pk[4 * k], pk[4 * k + 1], pk[4 * k + 2], pk[4 * k + 3]};
-    Mma<T>::pv(o, a, desc_sw128(skv + wg * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024));
+    Mma<T>::pv(o, a, desc_at(dv, k * 16 * 128));
   }
 }
 
 // the same with P in shared memory (the other warpgroup's tile)
 template <typename T>
 __device__ __forceinline__ void pv_smem(float (&o)[128], uint32_t sp, uint32_t skv, int wg) {
+  const uint64_t dp = desc_sw128(sp, 16, 1024), dv = desc_sw128(skv + wg * 4 * kChunkBytes, kChunkBytes, 1024);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    Mma<T>::pv(o, desc_sw128(sp + k * 32, 16, 1024), desc_sw128(skv + wg * 4 * kChunkBytes + k * 16 * 128,
-                                                                 kChunkBytes, 1024));
+    Mma<T>::pv(o, desc_at(dp, k * 32), desc_at(dv, k * 16 * 128));
   }
 }
 
@@ -465,21 +475,25 @@ __device__ __forceinline__ void pack_p(uint32_t (&pk)[16], const float (&s)[32],
 // wgmma A fragment order per k-step: (row r, cols c..c+1), (row r+8, c..), (row r, c+8..), (row r+8, c+8..)
 // = pk[4k], pk[4k+1], pk[4k+2], pk[4k+3] with the packing above (groups 2k -> 4k, 4k+1; 2k+1 -> 4k+2, 4k+3).
 
-template <typename T>
+// P (this warp's 16 rows of it) -> shared memory, 128-byte-swizzled as wgmma reads it: four stmatrix x4, each
+// storing 8 x 8 blocks (rows 0-7 / 8-15 of the warp) x (16-byte column units 2jj, 2jj + 1), whose fragments are
+// the accumulator layout's (lane l: row l / 4, columns 2 (l % 4) + {0, 1}). Lanes 8m .. 8m + 7 give the rows of
+// block m. (Sixteen 4-byte stores a thread before.)
 __device__ __forceinline__ void store_p(uint8_t* smem, int sp_off, const uint32_t (&pk)[16], int r0, int lane) {
+  const int m = lane / 8, row = (r0 & ~15) + (m & 1) * 8 + lane % 8;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int col = j * 8 + (lane % 4) * 2;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      *reinterpret_cast<uint32_t*>(smem + sp_off + swz(r0 + 8 * i, col / 8) + (col % 8) * 2) = pk[2 * j + i];
-    }
+  for (int jj = 0; jj < 4; ++jj) {
+    const uint32_t addr = smem_u32(smem + sp_off + swz(row, 2 * jj + (m >> 1)));
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(pk[4 * jj]),
+                 "r"(pk[4 * jj + 1]), "r"(pk[4 * jj + 2]), "r"(pk[4 * jj + 3])
+                 : "memory");
   }
 }
 
-// mask by member bits (invalid slots carry none), scale to base-2 logits, row maxima of the tile
-__device__ __forceinline__ void mask_scale(float (&s)[32], float (&mx)[2], const uint32_t* bits, const int (&bit)[2],
-                                           float scale2, int lane) {
+// mask by member bits (invalid slots carry none; row i answers to bit mask rowbit[i]) and the tile's row maxima
+// in base-2 logits. The logits stay unscaled: the softmax scales them inside its exponent (one fma).
+__device__ __forceinline__ void mask_max(float (&s)[32], float (&mx)[2], const uint32_t* bits, const uint32_t (&rowbit)[2],
+                                         float scale2, int lane) {
   mx[0] = mx[1] = -INFINITY;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -489,7 +503,7 @@ __device__ __forceinline__ void mask_scale(float (&s)[32], float (&mx)[2], const
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         float& x = s[j * 4 + i * 2 + e];
-        x = ((b >> bit[i]) & 1u) ? x * scale2 : -INFINITY;
+        x = (b & rowbit[i]) ? x : -INFINITY;
         mx[i] = fmaxf(mx[i], x);
       }
     }
@@ -498,6 +512,7 @@ __device__ __forceinline__ void mask_scale(float (&s)[32], float (&mx)[2], const
   for (int i = 0; i < 2; ++i) {
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
+    mx[i] *= scale2;  // (scale2 > 0: the max of the scaled logits)
   }
 }
 
@@ -526,9 +541,9 @@ __device__ __forceinline__ void scale_rows(float (&o)[128], const float (&f)[2])
   }
 }
 
-// s <- 2^(s - m_new); l, o rescaled to m_new and l += row sums; m <- m_new
+// s <- 2^(s scale2 - m_new) (s: unscaled logits); l, o rescaled to m_new and l += row sums; m <- m_new
 __device__ __forceinline__ void softmax_step(float (&s)[32], float (&o)[128], float (&m)[2], float (&l)[2],
-                                             const float (&m_new)[2]) {
+                                             const float (&m_new)[2], float scale2) {
   float alpha[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -540,8 +555,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[32], float (&o)[128], fl
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      s[j * 4 + i * 2] = exp2f(s[j * 4 + i * 2] - m_new[i]);
-      s[j * 4 + i * 2 + 1] = exp2f(s[j * 4 + i * 2 + 1] - m_new[i]);
+      s[j * 4 + i * 2] = exp2f(fmaf(s[j * 4 + i * 2], scale2, -m_new[i]));
+      s[j * 4 + i * 2 + 1] = exp2f(fmaf(s[j * 4 + i * 2 + 1], scale2, -m_new[i]));
       l[i] += s[j * 4 + i * 2] + s[j * 4 + i * 2 + 1];
     }
   }
@@ -555,10 +570,10 @@ __device__ __forceinline__ void softmax_step(float (&s)[32], float (&o)[128], fl
 // warpgroup 0 also stores its P to shared memory (P0, for warpgroup 1) before that PV
 template <typename T, bool kMma, int kBarDone>
 __device__ __forceinline__ void softmax_publish_pv(float (&s)[32], float (&o)[128], float (&m)[2], float (&l)[2],
-                                                   const float (&m_new)[2], uint32_t (&pk)[16], float* red_max,
-                                                   int r0, int lane, uint32_t skv, int wg, bool own_tile,
-                                                   uint8_t* smem) {
-  softmax_step(s, o, m, l, m_new);
+                                                   const float (&m_new)[2], float scale2, uint32_t (&pk)[16],
+                                                   float* red_max, int r0, int lane, uint32_t skv, int wg,
+                                                   bool own_tile, uint8_t* smem) {
+  softmax_step(s, o, m, l, m_new, scale2);
   if (lane % 4 == 0) {
     red_max[r0] = m[0];
     red_max[r0 + 8] = m[1];
@@ -568,7 +583,7 @@ __device__ __forceinline__ void softmax_publish_pv(float (&s)[32], float (&o)[12
   pack_p<T>(pk, s, one);
   // warpgroup 0 stores P0 for warpgroup 1's P0 V0 now, at its own max: the block's max rarely moves
   // (next_max), and the store is then off the hand-off path (measured -0.3 to -3%)
-  if constexpr (kBarDone == kBarMax0) store_p<T>(smem, kSmemP0, pk, r0, lane);
+  if constexpr (kBarDone == kBarMax0) store_p(smem, kSmemP0, pk, r0, lane);
   wgmma_fence();
   if (kMma && own_tile) pv_regs<T>(o, pk, skv, wg);
   wgmma_commit();
@@ -614,13 +629,13 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
   const int tid = threadIdx.x, warp = (tid % 128) / 32, lane = tid % 32;
   const int n_blocks = (pr.n_tiles + 1) / 2;
 
-  // this thread's two rows (of the 64) and the member bit each row answers to
+  // this thread's two rows (of the 64) and the member bit each row answers to (as a mask)
   const int r0 = warp * 16 + lane / 4;
-  int bit[2];
+  uint32_t rowbit[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = r0 + 8 * i;
-    bit[i] = r < p.qp * p.hb ? pr.sub * p.qp + r / p.hb : 31;  // bit 31: never set (groups <= 16)
+    rowbit[i] = r < p.qp * p.hb ? 1u << (pr.sub * p.qp + r / p.hb) : 0u;  // (padding rows: no member)
   }
 
   float o[128];
@@ -654,13 +669,13 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
       const bool has1 = 2 * b + 1 < pr.n_tiles;
       if (b == n_blocks - 1) mbar_arrive(bars.q_free());  // every QK of the program is done
       float mx[2], m_new[2];
-      mask_scale(s, mx, masks, bit, p.scale2, lane);
+      mask_max(s, mx, masks, rowbit, p.scale2, lane);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         m_new[i] = next_max(m[i], mx[i]);
         mt[i] = fmaxf(mt[i], mx[i]);
       }
-      softmax_publish_pv<T, kMma, kBarMax0>(s, o, m, l, m_new, pk, red_max, r0, lane, skv0, 0, true, smem);
+      softmax_publish_pv<T, kMma, kBarMax0>(s, o, m, l, m_new, p.scale2, pk, red_max, r0, lane, skv0, 0, true, smem);
       wgmma_wait<0>();
       fence_regs(o);
       mbar_arrive(bars.free(0, 0));
@@ -678,7 +693,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
       const bool same = warp_unchanged(f);
       if (!same) {  // (else P0 in shared memory is already at this max)
         pack_p<T>(pk, s, f);
-        store_p<T>(smem, kSmemP0, pk, r0, lane);
+        store_p(smem, kSmemP0, pk, r0, lane);
       }
       fence_async_smem();
       bar_arrive<kBarP0>();
@@ -715,7 +730,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         if constexpr (kMma) qk_chunks<T>(s, sq, skv1, 0, 4, false);
         qk_done<kMma>(s);
         if (tid == 128 && b == 0) QUILT_STAMP(k, 6);
-        mask_scale(s, mx, masks + kTile, bit, p.scale2, lane);
+        mask_max(s, mx, masks + kTile, rowbit, p.scale2, lane);
 #pragma unroll
         for (int i = 0; i < 2; ++i) mt[i] = fmaxf(mt[i], mx[i]);
       } else {  // padding tile: nothing to add
@@ -729,8 +744,8 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
 #pragma unroll
       for (int i = 0; i < 2; ++i) m_new[i] = next_max(red_max[r0 + 8 * i], mx[i]);
       __syncwarp();
-      softmax_publish_pv<T, kMma, kBarMax1>(s, o, m, l, m_new, pk, red_max, r0, lane, skv1, 1, has1, smem);
-      if (has1) store_p<T>(smem, kSmemP1, pk, r0, lane);  // (P1 V1 runs meanwhile)
+      softmax_publish_pv<T, kMma, kBarMax1>(s, o, m, l, m_new, p.scale2, pk, red_max, r0, lane, skv1, 1, has1, smem);
+      if (has1) store_p(smem, kSmemP1, pk, r0, lane);  // (P1 V1 runs meanwhile)
       bar_sync<kBarP0>();
       wgmma_fence();
       if constexpr (kMma) pv_smem<T>(o, smem_u32(smem + kSmemP0), skv0, 1);
