@@ -22,7 +22,11 @@
 // heads query-parallel; this schedule: 8.3 ms. benchmarks/NOTES.md.)
 //
 // Persistent: a CTA an SM, each taking work items (a program x a head block; plan programs longest
-// first, a query's head blocks next to each other) from a global counter as it finishes the last. The
+// first, a query's head blocks next to each other) from a global counter as it finishes the last; query
+// programs over more than 64 heads go round-robin instead (CTA x: items x, x + ctas, ...), which keeps a
+// query's head blocks on neighbouring CTAs in step, so that the second's gathers meet the first's rows in
+// L2 (ncu at h=128: L2 throughput 51% against FlashMLA's 34%, whose launch order pairs them the same way;
+// measured -1.4% glm53-like, -4.3% random, benchmarks/NOTES.md session 11). The
 // producer moves on to the next program as soon as it has issued the current one's copies: the next
 // program's first kv block is gathered while the consumers finish this one, and its q (with the work
 // item, through q_ready) once both consumer warpgroups' last QK of the program has completed (q_free):
@@ -391,9 +395,15 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   };
   int gb = 0;  // kv blocks of the CTA's earlier programs: the ready / free barriers' phase
   volatile int* next = reinterpret_cast<int*>(smem + kSmemWork);
+  const bool round_robin = !p.from_plan && p.nhb > 1;
   for (int k = 0;; ++k) {
-    // work items: blockIdx.x first, then whatever is left (longest programs first), one at a time
-    if (t == 0) next[k & 1] = k == 0 ? blockIdx.x : gridDim.x + atomicAdd(p.work_counter, 1);
+    // work items: blockIdx.x first, then whatever is left (longest programs first), one at a time; or
+    // round-robin (query programs in head blocks: equal lengths up to topk_length, pairs kept in step)
+    if (t == 0) {
+      next[k & 1] = k == 0 ? blockIdx.x
+                  : round_robin ? blockIdx.x + k * gridDim.x
+                                : gridDim.x + atomicAdd(p.work_counter, 1);
+    }
     asm volatile("bar.sync 9, 128;\n" ::: "memory");
     const int w = next[k & 1];
     if (w >= p.n_work) {
