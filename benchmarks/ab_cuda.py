@@ -7,7 +7,7 @@ one an SM) and, for plans, the order programs are handed out in (``lpt``: the pl
 group size (default 8; merge level: the queries a program holds). Every variant is checked against the float32 reference on sampled queries (NaN-poisoned
 outputs first) and compared bit for bit with the first. The variants alternate, each round in the
 other order: clock and thermal drift between timings otherwise favour whichever runs first (a fixed
-order showed +-7% that the alternating rounds did not). A row's ms is the median of its rounds.
+order showed +-7% that the alternating rounds did not; ``bench.interleaved_rounds``). A row's ms is the median of its rounds.
 Shape: s_q 16384, s_kv 65536, topk 2048, bf16; inputs rotate over two sets larger than L2.
 
     python benchmarks/ab_cuda.py --out ab.json --variants old=/path/v4a.so,new=package
@@ -89,19 +89,16 @@ for case_s in a.cases.split(","):
             s_q=case.s_q, s_kv=case.s_kv, topk=case.topk, variant=name, lib=lib or "package", order=order,
             group_size=G if pl is not None else 1, merge_level=qp if pl is not None else 1,
             ctas=min(n_work, ctas or torch.cuda.get_device_properties(0).multi_processor_count), n_work=n_work,
-            rel_err=chk["rel_err"], lse_err=chk["lse_err"], max_logits_err=chk["max_logits_err"], nan=chk["nan"],
-            rounds_ms=[])
-    for rnd in range(a.rounds):
-        for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-            case_rows[name]["rounds_ms"].append(bench.time_ms(fns[name], warmup=a.warmup, rep=a.rep))
+            rel_err=chk["rel_err"], lse_err=chk["lse_err"], max_logits_err=chk["max_logits_err"], nan=chk["nan"])
+    times = bench.interleaved_rounds(fns, a.rounds, warmup=a.warmup, rep=a.rep)
     first = variants[0][0]
     for name, r in case_rows.items():
+        r["rounds_ms"] = times[name]
         r["ms"] = statistics.median(r["rounds_ms"])
         r["tflops"] = bench.useful_flops(case.s_q, case.topk, h) / r["ms"] / 1e9
         r["bit_identical_to_first"] = all(torch.equal(x, y) for x, y in zip(outs[name], outs[first]))
         rows.append(r)
-        print(f"{wl:<11} h={h:<4} {name:<20} {r['ms']:7.3f} ms  rounds {['%.3f' % x for x in r['rounds_ms']]}  "
-              f"rel_err {r['rel_err']:.2e}  lse_err {r['lse_err']:.1e}  ml_err {r['max_logits_err']:.1e}  nan {r['nan']}  same as {first}: {r['bit_identical_to_first']}", flush=True)
+        print(bench.ab_row_text(wl, h, name, r) + f"  same as {first}: {r['bit_identical_to_first']}", flush=True)
     cuda_backend.use_library(None)
     inp = pl = work = works = outs = fns = None
     torch.cuda.empty_cache()

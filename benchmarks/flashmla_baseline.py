@@ -86,17 +86,14 @@ for case_s in a.cases.split(","):
         fns[name] = rotating(vi, call)
         case_rows[name] = dict(method=name, backend="cuda", workload=wl, kv="bf16", h=h, h_run=h_run if name == "flashmla"
                                else h, s_q=16384, s_kv=65536, topk=2048, rel_err=chk["rel_err"], lse_err=chk["lse_err"],
-                               max_logits_err=chk["max_logits_err"], nan=chk["nan"], rounds_ms=[])
-    for rnd in range(a.rounds):
-        for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-            case_rows[name]["rounds_ms"].append(bench.time_ms(fns[name], warmup=a.warmup, rep=a.rep))
+                               max_logits_err=chk["max_logits_err"], nan=chk["nan"])
+    times = bench.interleaved_rounds(fns, a.rounds, warmup=a.warmup, rep=a.rep)
     for name, r in case_rows.items():
+        r["rounds_ms"] = times[name]
         r["ms"] = statistics.median(r["rounds_ms"])
         r["tflops"] = bench.useful_flops(16384, 2048, h) / r["ms"] / 1e9
         rows.append(r)
-        print(f"{wl:<11} h={h:<4} {name:<11} {r['ms']:7.3f} ms  rounds {['%.3f' % x for x in r['rounds_ms']]}  "
-              f"rel_err {r['rel_err']:.2e}  lse_err {r['lse_err']:.1e}  ml_err {r['max_logits_err']:.1e}  "
-              f"nan {r['nan']}", flush=True)
+        print(bench.ab_row_text(wl, h, name, r, width=11), flush=True)
     inp = ours_inp = fns = variants = None
     torch.cuda.empty_cache()
 

@@ -161,6 +161,24 @@ def time_ms(fn, warmup: int = 50, rep: int = 300) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def interleaved_rounds(fns: dict, rounds: int, warmup: int = 20, rep: int = 100) -> dict:
+    """``{name: [ms, one a round]}`` for the functions of ``fns`` (name -> no-argument callable), each timed once a
+    round by ``time_ms``, every round in the other order from the round before: clock and thermal drift between
+    timings otherwise favour whichever runs first (a fixed order showed +-7% that alternating rounds did not)."""
+    times = {name: [] for name in fns}
+    for rnd in range(rounds):
+        for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+            times[name].append(time_ms(fns[name], warmup=warmup, rep=rep))
+    return times
+
+
+def ab_row_text(workload: str, h: int, name: str, row: dict, width: int = 20) -> str:
+    """One timed variant of an A/B run as a log line: median ms, the rounds, and the row's reference check."""
+    return (f"{workload:<11} h={h:<4} {name:<{width}} {row['ms']:7.3f} ms  rounds {['%.3f' % x for x in row['rounds_ms']]}"
+            f"  rel_err {row['rel_err']:.2e}  lse_err {row['lse_err']:.1e}  ml_err {row['max_logits_err']:.1e}"
+            f"  nan {row['nan']}")
+
+
 def rotating(inputs: Inputs, call):
     """A no-argument function calling ``call(q, kv)`` on the next of ``inputs.sets`` each time
     (rotating sets larger than L2 keeps the timed calls from reading a warm cache)."""

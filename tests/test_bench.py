@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from quilt_attn import bench
 from quilt_attn.bench import Case, cuda_call, cuda_work, make_inputs
 
 
@@ -49,3 +50,24 @@ def test_plans_equal_compares_every_tensor_field():
     assert not plans_equal(a, b)
     split = make_plan(idx, s_kv=512, merge_level=8, split_private=True, backend="torch")
     assert a.priv_idx is None and split.priv_idx is not None and not plans_equal(a, split)
+
+
+def test_interleaved_rounds_alternate_the_order_and_time_each_once_a_round():
+    """Every function runs once a round (time_ms on the CPU: one call), round 0 in the given order, round 1
+    reversed, and so on; the result keeps one time a round per name."""
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    times = bench.interleaved_rounds(fns, rounds=3)
+    if torch.cuda.is_available():  # (do_bench calls each function many times a round)
+        assert calls[0] == "a" and calls[-1] == "c"
+    else:
+        assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert list(times) == ["a", "b", "c"]
+    assert all(len(v) == 3 and all(t >= 0 for t in v) for v in times.values())
+
+
+def test_ab_row_text_carries_the_median_rounds_and_check():
+    row = dict(ms=1.5, rounds_ms=[1.4, 1.5, 1.6], rel_err=2e-3, lse_err=1e-6, max_logits_err=3e-6, nan=False)
+    line = bench.ab_row_text("glm53-like", 16, "base", row)
+    assert "1.500 ms" in line and "'1.400', '1.500', '1.600'" in line and "rel_err 2.00e-03" in line
+    assert line.startswith("glm53-like  h=16") and "nan False" in line
