@@ -1,6 +1,8 @@
 """Where a program boundary's time goes in the CUDA kernel: a measurement build (QUILT_TIMELINE) stamps
 clock64 at fixed points of each CTA's programs, one thread a role (results of that launch are checked
-against the float32 reference like any other). Per boundary (program k-1 -> k of a CTA), in SM cycles:
+against the float32 reference like any other). The points are named slots (QUILT_TIMELINE_SLOTS in
+quilt_attn/ops/csrc/sm90_measure.cuh), read here by name from the library's table. Per boundary
+(program k-1 -> k of a CTA), in SM cycles:
 
   epilogue        warpgroup 0's last block done -> its output written             consumers
   wg1 lag         warpgroup 0's last block done -> warpgroup 1's                  consumers
@@ -40,6 +42,10 @@ lib = ctypes.CDLL(str(lib_path))
 dims = (ctypes.c_int * 3)()
 lib.quilt_sm90_timeline_shape(dims)
 n_cta, n_prog, n_slot = dims[0], dims[1], dims[2]
+# the slots' names, in slot order, from the kernel's table (QUILT_TIMELINE_SLOTS in csrc/sm90_measure.cuh)
+lib.quilt_sm90_timeline_slots.restype = ctypes.c_char_p
+slots = lib.quilt_sm90_timeline_slots().decode().rstrip(",").split(",")
+assert len(slots) == n_slot, (slots, n_slot)
 rows = []
 for spec in a.cases.split(","):
     wl, h = spec.split(":")
@@ -56,35 +62,36 @@ for spec in a.cases.split(","):
     out.fill_(float("nan"))
     run()
     torch.cuda.synchronize()
-    chk = bench.check(inp, out, ml, lse) if a.skip == 0 else dict(rel_err=float("nan"), nan=None)
+    chk = bench.check(inp, out, ml, lse, base2=True) if a.skip == 0 else dict(rel_err=float("nan"), nan=None)
     buf = np.zeros(n_cta * n_prog * n_slot, dtype=np.uint64)
     assert lib.quilt_sm90_timeline(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_ulonglong))) == 0
     t = buf.reshape(n_cta, n_prog, n_slot).astype(np.int64)
+    ts = {name: t[:, :, i] for i, name in enumerate(slots)}  # a slot's stamps [CTA, program]
     parts = {k: [] for k in ("epilogue", "wg1_lag", "sum_wait", "q_free_seen", "q_issue", "q_landed", "first_qk0",
                              "first_qk1", "block", "boundary")}
     spans = []
     for c in range(n_cta):
-        ks = [k for k in range(n_prog) if t[c, k, 2] > 0 and t[c, k, 1] > 0]
+        ks = [k for k in range(n_prog) if ts["q_ready"][c, k] > 0 and ts["out_written"][c, k] > 0]
         if len(ks) < 2:
             continue
-        spans.append(t[c, ks[-1], 1] - t[c, ks[0], 2])
+        spans.append(ts["out_written"][c, ks[-1]] - ts["q_ready"][c, ks[0]])
         for k in ks[1:]:
             if k - 1 not in ks:
                 continue
-            prev, cur = t[c, k - 1], t[c, k]
-            parts["epilogue"].append(prev[1] - prev[0])
-            if n_slot > 8:
-                parts["wg1_lag"].append(prev[9] - prev[0])
-                parts["sum_wait"].append(prev[8] - prev[0])
-            parts["q_free_seen"].append(cur[4] - prev[0])
-            parts["q_issue"].append(cur[5] - cur[4])
-            parts["q_landed"].append(cur[2] - max(cur[5], prev[1]))
-            parts["first_qk0"].append(cur[3] - cur[2])
-            if cur[6] > 0:
-                parts["first_qk1"].append(cur[6] - cur[2])
-            if cur[7] > 1:
-                parts["block"].append((cur[0] - cur[3]) / (cur[7] - 1))
-            parts["boundary"].append(cur[3] - prev[0])
+            prev = {name: v[c, k - 1] for name, v in ts.items()}
+            cur = {name: v[c, k] for name, v in ts.items()}
+            parts["epilogue"].append(prev["out_written"] - prev["wg0_done"])
+            parts["wg1_lag"].append(prev["wg1_done"] - prev["wg0_done"])
+            parts["sum_wait"].append(prev["sums_done"] - prev["wg0_done"])
+            parts["q_free_seen"].append(cur["q_free_seen"] - prev["wg0_done"])
+            parts["q_issue"].append(cur["q_issued"] - cur["q_free_seen"])
+            parts["q_landed"].append(cur["q_ready"] - max(cur["q_issued"], prev["out_written"]))
+            parts["first_qk0"].append(cur["wg0_first_qk"] - cur["q_ready"])
+            if cur["wg1_first_qk"] > 0:
+                parts["first_qk1"].append(cur["wg1_first_qk"] - cur["q_ready"])
+            if cur["n_blocks"] > 1:
+                parts["block"].append((cur["wg0_done"] - cur["wg0_first_qk"]) / (cur["n_blocks"] - 1))
+            parts["boundary"].append(cur["wg0_first_qk"] - prev["wg0_done"])
     cyc_per_ms = statistics.median(spans) / ms  # a CTA's first-to-last stamp spans about the whole kernel
     row = dict(workload=wl, h=h, skip=a.skip, ms=ms, rel_err=chk["rel_err"], nan=chk["nan"],
                cycles_per_us=cyc_per_ms / 1e3, boundaries=len(parts["epilogue"]), backend="cuda",

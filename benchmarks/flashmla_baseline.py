@@ -4,16 +4,7 @@ The issue's bars at 64 and 128 heads are parity with FlashMLA; its published tim
 another day, and this board's grids move 1-3% between sessions (power-capped, benchmarks/NOTES.md). Timing both
 kernels in one process, alternating, judges parity on equal terms.
 
-``--lib`` is a shared library built from ``benchmarks/flashmla_shim.cu`` (a C entry point filling FlashMLA's
-``SparsePrefillParams``) and a FlashMLA source tree of its first public sparse-prefill release with CUTLASS
-headers (``nvidia-cutlass`` on PyPI), for example::
-
-    nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -DNDEBUG --use_fast_math \\
-        --expt-relaxed-constexpr --expt-extended-lambda -I$CUTLASS/include -I$FLASHMLA/csrc \\
-        -I$FLASHMLA/csrc/sm90/prefill/sparse -shared -Xcompiler -fPIC -o flashmla_sm90.so \\
-        benchmarks/flashmla_shim.cu $FLASHMLA/csrc/sm90/prefill/sparse/fwd.cu
-
-Nothing of FlashMLA is part of this repository. FlashMLA takes 64 or 128 heads: below 64 it runs the query at 64
+``--lib``: the FlashMLA library of ``benchmarks/flashmla.py``. Nothing of FlashMLA is part of this repository. FlashMLA takes 64 or 128 heads: below 64 it runs the query at 64
 heads (what engines do; the extra heads random here, not zeros). Both kernels' outputs start NaN-poisoned and are
 checked against the float32 reference on sampled queries. Shape: s_q 16384, s_kv 65536, topk 2048, bf16; inputs
 rotate over two sets larger than L2; a row's ms is the median of its rounds (each round ``do_bench``'s median).
@@ -21,14 +12,17 @@ rotate over two sets larger than L2; a row's ms is the median of its rounds (eac
     python benchmarks/flashmla_baseline.py --lib flashmla_sm90.so --out flashmla.json
 """
 import argparse
-import ctypes
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from quilt_attn import bench
-from quilt_attn.bench import D_QK, D_V, Case, make_inputs, rotating, save
+from quilt_attn.bench import Case, make_inputs, rotating, save
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flashmla import FlashMLA  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--lib", required=True, help="library built from benchmarks/flashmla_shim.cu and FlashMLA")
@@ -39,29 +33,17 @@ p.add_argument("--rep", type=int, default=100)
 p.add_argument("--rounds", type=int, default=6)
 a = p.parse_args()
 
-lib = ctypes.CDLL(a.lib)
-lib.flashmla_sparse_prefill.restype = ctypes.c_int
-lib.flashmla_sparse_prefill.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 3 + [
-    ctypes.c_float, ctypes.c_void_p]
+fm = FlashMLA(a.lib)
 
 
 def flashmla_call(inp, h_run):
     """``(call, out, max_logits, lse)`` for FlashMLA at ``h_run`` heads (64 or 128) on ``inp``'s index set."""
     q0 = inp.sets[0][0]
-    s_q = q0.shape[0]
-    out = torch.full((s_q, h_run, D_V), float("nan"), dtype=q0.dtype, device=q0.device)
-    ml = torch.empty(s_q, h_run, dtype=torch.float32, device=q0.device)
-    lse = torch.empty_like(ml)
+    out, ml, lse = fm.outputs(q0.shape[0], h_run, q0.dtype, q0.device)
     idx = inp.indices.to(torch.int32).contiguous()
-    s_kv, topk = inp.case.s_kv, idx.shape[1]
 
     def call(q, kv):
-        assert q.shape[1] == h_run and q.stride(2) == 1 and kv.stride(1) == 1
-        err = lib.flashmla_sparse_prefill(q.data_ptr(), kv.data_ptr(), idx.data_ptr(), out.data_ptr(), ml.data_ptr(),
-                                          lse.data_ptr(), s_q, s_kv, h_run, topk, q.stride(0), q.stride(1),
-                                          kv.stride(0), D_QK ** -0.5, torch.cuda.current_stream().cuda_stream)
-        if err:
-            raise RuntimeError(f"flashmla_sparse_prefill: CUDA error {err}")
+        fm.launch(q, kv, idx, out, ml, lse)
 
     return call, out, ml, lse
 
@@ -82,7 +64,7 @@ for case_s in a.cases.split(","):
     for name, (vi, call, out, ml, lse) in variants.items():
         call(*vi.sets[0])
         torch.cuda.synchronize()
-        chk = bench.check(vi, out, ml, lse)
+        chk = bench.check(vi, out, ml, lse, base2=name == "quilt_cuda")  # our raw launch: base 2; FlashMLA: natural
         fns[name] = rotating(vi, call)
         case_rows[name] = dict(method=name, backend="cuda", workload=wl, kv="bf16", h=h, h_run=h_run if name == "flashmla"
                                else h, s_q=16384, s_kv=65536, topk=2048, rel_err=chk["rel_err"], lse_err=chk["lse_err"],

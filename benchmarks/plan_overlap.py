@@ -35,7 +35,8 @@ import quilt_attn.planner.triton_plan as triton_plan
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill, sparse_prefill_pipelined
 from quilt_attn.bench import Case, check, make_inputs, rotating, save, time_ms
-from quilt_attn.ops.sparse_attention import default_group_size, program_shape, runs_quilt
+from quilt_attn.dispatch import decide
+from quilt_attn.ops.sparse_attention import default_group_size, program_shape
 from quilt_attn.pipeline import plan_chunks
 
 WARMUP_MS, REP_MS = 25, 200  # per timing; 4 cases x (13 Triton + 8 CUDA) timings
@@ -78,8 +79,8 @@ def run_case(inputs, backend, chunks, check_rows, log) -> list[dict]:
         return row
 
     full = make_plan(idx, **pkw)
-    # Triton: the fallback decision (one host sync), cached in the plan; the CUDA backend runs every plan
-    quilt_full = runs_quilt(full, c.h) if triton else True
+    # what sparse_prefill runs for this plan (decided from the settings: no host sync)
+    quilt_full = decide(backend, "quilt", c.h, plan=full).quilt
     q, kv = inputs.sets[0]
     base = sparse_prefill(q, kv, idx, plan=full, **B)
     torch.cuda.synchronize()
@@ -91,8 +92,7 @@ def run_case(inputs, backend, chunks, check_rows, log) -> list[dict]:
 
     for C in chunks:
         plans = plan_chunks(idx, c.h, chunk=C, **pkw)
-        # cached in each plan, so (e) times no host sync
-        decided = {"chunks_quilt": [runs_quilt(p, c.h) for p in plans]} if triton else {}
+        decided = {"chunks_quilt": [decide(backend, "quilt", c.h, plan=p).quilt for p in plans]}
         run(f"chunks/{C}", lambda q, kv: sparse_prefill_pipelined(q, kv, idx, plans=plans, **B), chunk=C, **decided)
         del plans
         run(f"pipe/{C}", lambda q, kv: sparse_prefill_pipelined(q, kv, idx, chunk=C, **B), baseline=base,

@@ -5,22 +5,25 @@ import os
 
 import torch
 
+from . import dispatch
 from ._checks import (
     canonical_indices,
     canonical_kv,
     check_attn_sink,
+    check_d_v,
+    check_sm_scale,
     check_topk_length,
     require_dtype,
     require_ndim,
     require_same_device,
     require_tensor,
 )
-from .kv_cache import D_NOPE, D_QK, FP8_BYTES, is_fp8_cache
+from .kv_cache import D_NOPE, D_QK, FP8_BYTES, canonical_fp8_cache, is_fp8_cache
 from .planner import Plan, plan as make_plan
 from .reference import sparse_prefill_reference
 
 METHODS = ("quilt", "query_parallel", "reference")
-BACKENDS = ("auto", "triton", "cuda")
+BACKENDS = dispatch.BACKENDS
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -41,10 +44,7 @@ def _check_kernel_inputs(q: torch.Tensor, kv: torch.Tensor, d_v: int):
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dimension")
     if is_fp8_cache(kv):
-        if kv.dim() == 3:
-            if kv.shape[1] != 1:
-                raise ValueError(f"kv (FP8 cache) must be [s_kv, {FP8_BYTES}] or [s_kv, 1, {FP8_BYTES}], got {tuple(kv.shape)}")
-            kv = kv[:, 0]
+        kv = canonical_fp8_cache(kv)
         if d_qk != D_QK or d_v != D_NOPE:
             raise ValueError(f"the FP8 kv cache needs d_qk = {D_QK} and d_v = {D_NOPE}, got d_qk = {d_qk}, d_v = {d_v}")
         kv = kv.contiguous()
@@ -80,7 +80,7 @@ def sparse_prefill(
     importance_clip: bool = False,
     merge_level: int | None = None,
     split_private: bool = True,
-    fallback: bool = True,
+    fallback: bool | str = True,
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
@@ -89,6 +89,7 @@ def sparse_prefill(
     num_stages: int | None = None,
     fp8_expand: bool | None = None,
     backend: str = "auto",
+    workspace: torch.Tensor | None = None,
 ):
     """Top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
 
@@ -107,9 +108,12 @@ def sparse_prefill(
     merge_level : where the cascade stops; default: the queries one program holds (``64 // h``),
         so that every tile fills a 64-row matrix product.
     split_private : rows one query owns alone run in 16-row query programs instead of 64-row tiles
-        (see ``quilt_attn.plan``).
-    fallback : run query-parallel when the plan's tile count says sharing would not pay off
-        (little overlap, or ``h >= 64`` where one query fills a tile); decided once per plan.
+        (see ``quilt_attn.plan``); Triton only (the CUDA backend keeps them in its 64-row tiles).
+    fallback : True: where one query fills a 64-row tile (``h > 32``, heads padded to 64 rows), run query
+        programs (and plan nothing); where a program holds several queries, always run the plan
+        (``quilt_attn.dispatch``: decided from the settings, no host sync). False: always run the plan.
+        ``"cost"``: with a given ``plan``, the measured tile-cost rule decides whether sharing pays off
+        (one host read of the plan's tile counts, cached in the plan).
     d_v : value width (first ``d_v`` columns of kv).
     attn_sink : optional float32 ``[h]``. topk_length : optional int32 ``[s_q]``.
     dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs;
@@ -120,11 +124,17 @@ def sparse_prefill(
         (a Triton setting) makes ``"auto"`` run Triton.
     backend : ``"triton"`` (portable), ``"cuda"`` (Hopper sm_90a kernel, compiled with nvcc on first
         use; d_qk 576 / d_v 512; an FP8 cache is expanded to bf16 once per call) or ``"auto"``
-        (see ``choose_backend``).
+        (``dispatch.choose_backend``).
+    workspace : optional uint8 tensor on q's device that the plan built in the call is carved from
+        (``quilt_attn.planner.plan_workspace_bytes``; ``dispatch.workspace_bytes`` for this call's
+        settings), so that the call allocates no plan memory; not with a given ``plan``.
 
     Returns
     -------
-    out ``[s_q, h, d_v]`` (q's dtype), max_logits ``[s_q, h]`` float32, lse ``[s_q, h]`` float32 (base 2).
+    out ``[s_q, h, d_v]`` (q's dtype); max_logits ``[s_q, h]`` float32, ``max(q.k * sm_scale)`` over the
+    valid rows; lse ``[s_q, h]`` float32, ``logsumexp(q.k * sm_scale)`` (natural log), as FlashMLA. A query
+    without a valid row: ``out = 0``, ``max_logits = -inf``, ``lse = +inf``. The default call reads nothing
+    on the host (no sync): it can be captured in a CUDA graph.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -139,14 +149,13 @@ def sparse_prefill(
         from .ops.sparse_attention import default_group_size
 
         group_size = default_group_size(h)
+    indices_arg, topk_length_arg = indices, topk_length  # as passed: what a given plan must be built from
     indices = canonical_indices(indices, s_q)
     require_same_device("indices", indices, "q", q)
-    topk_length = check_topk_length(topk_length, s_q, q.device)
+    topk_length = check_topk_length(topk_length, s_q, q.device, indices.shape[1])
     attn_sink = check_attn_sink(attn_sink, h, q.device)
-    if not isinstance(d_v, int) or not 0 < d_v <= d_qk:
-        raise ValueError(f"d_v must be an int in [1, d_qk = {d_qk}], got {d_v!r}")
-    if sm_scale is None:
-        sm_scale = d_qk**-0.5
+    d_v = check_d_v(d_v, d_qk)
+    sm_scale = check_sm_scale(sm_scale, d_qk)
     if method == "reference":
         out, max_logits, lse = sparse_prefill_reference(q, kv, indices, sm_scale, d_v=d_v, attn_sink=attn_sink,
                                                         topk_length=topk_length)
@@ -155,176 +164,74 @@ def sparse_prefill(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
-    knobs = triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
+    if plan is not None:
+        _check_plan(plan, q, indices_arg, kv.shape[0], topk_length_arg)
+    knobs = dispatch.triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
+    if kv.shape[0] == 0:  # no kv row: every index is invalid, every row empty; nothing to launch
+        return empty_outputs(q, d_v)
+    fallback = dispatch.check_fallback(fallback)
     auto = backend == "auto"
-    backend = choose_backend(backend, q, kv, d_v, plan, tile=tile, triton_knobs=knobs)
-    if backend == "cuda":
-        return _run_cuda(q, kv, indices, sm_scale, d_v, method=method, plan=plan, group_size=group_size, tile=tile,
-                         clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level,
-                         fallback=fallback, attn_sink=attn_sink, topk_length=topk_length, auto=auto)
-    if not _kernels_can_run(q.device):
-        raise ValueError(f"method={method!r} runs Triton kernels: q must be on a CUDA device "
-                         f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
-    if dv_split not in (1, 2) or (dv_split == 2 and (d_v // 2 < 16 or (kv.dtype == torch.uint8 and d_v // 2 % 128))):
-        raise ValueError(f"dv_split must be 1 or 2 (2 needs d_v / 2 >= 16), got {dv_split}")
-    from .ops.sparse_attention import launch_sparse_attention, program_shape, runs_quilt
-
-    s_kv = kv.shape[0]
-    kv = maybe_expand_fp8(q, kv, indices.shape[1], fp8_expand)
-    tuning = dict(attn_sink=attn_sink, dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
-
-    def query_parallel():
-        return launch_sparse_attention(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length,
-                                       **tuning)
-
-    if method == "query_parallel":
-        return query_parallel()
-    if plan is None and fallback and not importance_clip and program_shape(h, group_size)[0] == 1:
-        # h >= 64: one query already fills a 64-row tile, nothing to share inside it; skip planning
-        return query_parallel()
-    if plan is None:
-        if merge_level is None:
-            merge_level = program_shape(h, group_size)[0]
-        plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, group_size=group_size, tile=tile,
-                         clip_threshold=clip_threshold, importance_clip=importance_clip, merge_level=merge_level,
-                         split_private=split_private)
-    else:
-        _check_plan(plan, q, indices, s_kv)
-    if plan.tile < 16 or not _is_pow2(plan.tile):
-        raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
-    if not runs_quilt(plan, h, fallback):
-        # too little is shared to fill 64-row tiles (or one query fills them): run query by query
-        return query_parallel()
-    return launch_sparse_attention(q, kv, sm_scale, d_v, plan=plan, **tuning)
-
-
-_WARNED: set = set()
-
-
-def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, plan: Plan | None = None, *,
-                   tile: int = 64, triton_knobs: bool = False) -> str:
-    """``"triton"`` or ``"cuda"`` for these (checked) inputs.
-
-    ``"cuda"`` raises ``ValueError`` when the CUDA kernel cannot run them (naming why); ``"auto"``
-    takes the CUDA kernel wherever it runs (1.4-1.6x faster than Triton at every head count on the
-    realistic workloads, BENCHMARKS.md; where a plan shares too little, ``_run_cuda`` still hands the
-    call to Triton's query programs) and otherwise Triton, saying once why when a GPU is present. ``triton_knobs``: Triton tuning
-    arguments were given (the CUDA kernel has none).
-    """
+    backend = dispatch.choose_backend(backend, q, kv, d_v, plan, tile=tile, triton_knobs=knobs)
     if backend == "triton":
-        return backend
-    from .ops import cuda_backend
+        if not _kernels_can_run(q.device):
+            raise ValueError(f"method={method!r} runs Triton kernels: q must be on a CUDA device "
+                             f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
+        if dv_split not in (1, 2) or (dv_split == 2 and (d_v // 2 < 16 or (kv.dtype == torch.uint8 and d_v // 2 % 128))):
+            raise ValueError(f"dv_split must be 1 or 2 (2 needs d_v / 2 >= 16), got {dv_split}")
+    if method != "quilt":
+        plan = None  # (a given plan serves QUILT only)
+    elif plan is not None:
+        if plan.tile < 16 or not _is_pow2(plan.tile):
+            raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
+        if workspace is not None:
+            raise ValueError("workspace is the memory of the plan a call builds; a given plan has its own")
+    decision = dispatch.decide(backend, method, h, group_size=group_size, fallback=fallback,
+                               importance_clip=importance_clip, plan=plan, auto=auto)
+    s_kv = kv.shape[0]
+    kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], fp8_expand)
+    if decision.quilt and plan is None:
+        pkw = dispatch.plan_settings(h, backend, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
+                                     importance_clip=importance_clip, merge_level=merge_level,
+                                     split_private=split_private)
+        plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)
+    work = dict(plan=plan) if decision.quilt else dict(indices=indices.contiguous(), topk_length=topk_length)
+    if decision.kernel == "cuda":
+        from .ops.cuda_backend import launch_sparse_attention_cuda
 
-    dense = kv if kv.dtype != torch.uint8 else q.new_empty(0, q.shape[2])  # an FP8 cache is expanded first
-    reason = cuda_backend.unavailable_reason(q.device) or cuda_backend.unsupported_reason(q, dense, d_v, plan)
-    if reason is None and plan is None and tile != cuda_backend.TILE:
-        reason = f"the CUDA backend runs tile = {cuda_backend.TILE}, got {tile}"
-    if reason is None and triton_knobs:
-        reason = "dv_split, num_warps, num_stages and fp8_expand=False tune the Triton kernel"
-    if reason is None:
-        return "cuda"
-    if backend == "cuda":
-        raise ValueError(f"backend='cuda': {reason}")
-    if q.device.type == "cuda" and reason not in _WARNED:
-        import warnings
-
-        _WARNED.add(reason)
-        warnings.warn(f"quilt_attn: backend='auto' runs Triton: {reason}", stacklevel=3)
-    return "triton"
-
-
-def triton_knobs(dv_split, num_warps, num_stages, fp8_expand) -> bool:
-    """Whether Triton-only tuning was asked for (``choose_backend``'s ``triton_knobs``); checks ``fp8_expand``."""
-    if fp8_expand is not None and not isinstance(fp8_expand, bool):
-        raise TypeError(f"fp8_expand must be None or a bool, got {type(fp8_expand).__name__}")
-    return dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
-
-
-def maybe_expand_fp8(q: torch.Tensor, kv: torch.Tensor, topk: int, fp8_expand: bool | None) -> torch.Tensor:
-    """kv for the Triton kernels: an FP8 cache expanded to q's dtype once (``fp8_expand``, or by default
-    when the call gathers at least ``s_kv`` rows), else as given (dequantized on load)."""
-    if kv.dtype != torch.uint8:
-        return kv
-    from .ops.fp8_expand import expand_fp8, expansion_pays_off
-
-    if fp8_expand is None:
-        fp8_expand = expansion_pays_off(kv.shape[0], q.shape[0], topk)
-    return expand_fp8(kv, q.dtype) if fp8_expand else kv
-
-
-def _cuda_setup(q, kv, *, group_size, tile, clip_threshold, importance_clip, merge_level, fallback):
-    """What the CUDA backend runs from: kv as its kernel reads it, and the settings of the plans it runs.
-
-    Shared by ``_run_cuda`` and ``pipeline.sparse_prefill_pipelined``, so that both expand kv and plan alike.
-
-    Parameters
-    ----------
-    q : ``[s_q, h, 576]`` bf16 / fp16.
-    kv : as ``_check_kernel_inputs`` returns it: ``[s_kv, 576]`` of q's dtype or the FP8 cache
-        ``uint8 [s_kv, 656]``.
-    group_size, tile, clip_threshold, importance_clip, merge_level, fallback : as in ``sparse_prefill``.
-
-    Returns
-    -------
-    kv : ``[s_kv, 576]`` of q's dtype; an FP8 cache is expanded here, once per call (1152 bytes a row):
-        prefill reads each row many times, and the kernel reads dense rows only.
-    plan_kw : ``quilt_attn.plan`` keywords without ``s_kv`` / ``topk_length``, or None where nothing is
-        to be planned: with ``fallback`` at ``h >= 64`` one query already fills a 64-row tile, so the
-        kernel runs query-parallel over all queries.
-    """
-    from .ops.fp8_expand import expand_fp8
-    from .ops.sparse_attention import program_shape
-
-    if kv.dtype == torch.uint8:
-        kv = expand_fp8(kv, q.dtype)
-    qp = program_shape(q.shape[1], group_size)[0]
-    if fallback and not importance_clip and qp == 1:
-        return kv, None
-    # every CUDA tile is a 64-row product: a query's own rows cost as much alone as in a shared tile,
-    # so nothing is split off into 16-row private programs -- except under importance clipping, which
-    # clips the private lists (those then run in the Triton query pass that continues the CUDA state)
-    return kv, dict(group_size=group_size, tile=tile, clip_threshold=clip_threshold, importance_clip=importance_clip,
-                    merge_level=qp if merge_level is None else merge_level, split_private=importance_clip)
-
-
-def _run_cuda(q, kv, indices, sm_scale, d_v, *, method, plan, group_size, tile, clip_threshold, importance_clip,
-              merge_level, fallback, attn_sink, topk_length, auto=False):
-    """The CUDA backend's dispatch: every tile is a 64-row matrix product, so QUILT never loses to the
-    CUDA query-parallel kernel below 64 heads (a query's own tile is as costly as a shared one) and is
-    skipped at 64+ (``cuda_backend.cuda_runs_quilt``). Chosen by ``backend="auto"`` (``auto``),
-    query-parallel work below 64 heads and, with ``fallback``, a plan that shares too little run
-    Triton's 16- / 32-row query programs instead (``cuda_backend.query_programs_on_triton``,
-    ``cuda_backend.cuda_pays_off``)."""
-    from .ops.cuda_backend import cuda_runs_quilt, launch_sparse_attention_cuda, query_programs_on_triton
-    from .ops.sparse_attention import launch_sparse_attention
-
-    kv, plan_kw = _cuda_setup(q, kv, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
-                              importance_clip=importance_clip, merge_level=merge_level, fallback=fallback)
-    run = dict(attn_sink=attn_sink)
-
-    def query_parallel():
-        launcher = launch_sparse_attention if query_programs_on_triton(q.shape[1], auto) else \
-            launch_sparse_attention_cuda
-        return launcher(q, kv, sm_scale, d_v, indices=indices.contiguous(), topk_length=topk_length, **run)
-
-    if method == "query_parallel" or (plan is None and plan_kw is None):
-        return query_parallel()
-    if plan is None:
-        plan = make_plan(indices, s_kv=kv.shape[0], topk_length=topk_length, **plan_kw)
+        out, max_logits, lse = launch_sparse_attention_cuda(q, kv, sm_scale, d_v, attn_sink=attn_sink, **work)
     else:
-        _check_plan(plan, q, indices, kv.shape[0])
-    if not cuda_runs_quilt(plan, q.shape[1], fallback, auto):
-        return query_parallel()
-    return launch_sparse_attention_cuda(q, kv, sm_scale, d_v, plan=plan, **run)
+        from .ops.sparse_attention import launch_sparse_attention
+
+        out, max_logits, lse = launch_sparse_attention(q, kv, sm_scale, d_v, attn_sink=attn_sink, dv_split=dv_split,
+                                                       num_warps=num_warps, num_stages=num_stages, **work)
+    dispatch.natural_log_stats(max_logits, lse)
+    return out, max_logits, lse
 
 
-def _check_plan(plan, q: torch.Tensor, indices: torch.Tensor, s_kv: int) -> None:
+def _check_plan(plan, q: torch.Tensor, indices: torch.Tensor, s_kv: int,
+                topk_length: torch.Tensor | None = None) -> None:
+    """Refuse a plan built for other arguments: sizes, device, and its ``source`` (``planner.source``:
+    the indices / topk_length tensors it was built from, unwritten since, and s_kv). ``indices`` and
+    ``topk_length`` as the caller passed them (checked). Host metadata only, no sync."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a quilt_attn.Plan, got {type(plan).__name__}")
-    if plan.s_q != q.shape[0] or plan.topk != indices.shape[1]:
+    if plan.s_q != q.shape[0] or plan.topk != indices.shape[-1]:
         raise ValueError(f"plan was built for s_q={plan.s_q}, topk={plan.topk}; "
-                         f"got s_q={q.shape[0]}, topk={indices.shape[1]}")
+                         f"got s_q={q.shape[0]}, topk={indices.shape[-1]}")
     if plan.s_kv is not None and plan.s_kv != s_kv:
         raise ValueError(f"plan was built for s_kv={plan.s_kv} but kv has s_kv={s_kv}")
     if plan.device != q.device:
         raise ValueError(f"plan is on {plan.device} but q is on {q.device}")
+    if plan.source is not None:
+        why = plan.source.mismatch(indices, s_kv, topk_length)
+        if why is not None:
+            raise ValueError(f"plan does not fit this call: {why}")
+
+
+def empty_outputs(q: torch.Tensor, d_v: int):
+    """What every query gets when no index can be valid (``s_kv = 0``): ``out = 0 [s_q, h, d_v]`` (q's
+    dtype), ``max_logits = -inf`` and ``lse = +inf`` ``[s_q, h]`` float32, as FlashMLA's empty rows."""
+    s_q, h, _ = q.shape
+    return (torch.zeros(s_q, h, d_v, dtype=q.dtype, device=q.device),
+            torch.full((s_q, h), float("-inf"), dtype=torch.float32, device=q.device),
+            torch.full((s_q, h), float("inf"), dtype=torch.float32, device=q.device))

@@ -81,16 +81,20 @@ def make_inputs(case: Case, n_sets: int = 2, device="cuda") -> Inputs:
     return Inputs(case, indices, sets)
 
 
-def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: int = 0, dropped=None) -> dict:
+def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: int = 0, dropped=None, *,
+          base2: bool = False) -> dict:
     """Relative L2 error of ``out``, max |d lse| and max |d max_logits| against the float32 reference on
-    sampled queries."""
-    from .reference import sparse_prefill_reference
+    sampled queries. ``base2``: the statistics come from a raw kernel launch (``cuda_call``,
+    ``cuda_backend.launch``), which keeps them in base 2; else natural log, as ``sparse_prefill`` returns them."""
+    from .reference import LOG2E, sparse_prefill_reference
 
     q, kv = inputs.sets[set_index]
     s_q = q.shape[0]
     g = torch.Generator(device="cpu").manual_seed(123)
     rows = torch.randperm(s_q, generator=g)[:n_check].to(q.device)
     ro, rm, rl = sparse_prefill_reference(q[rows], kv, inputs.indices[rows], compute_dtype=torch.float32)
+    if base2:
+        rm, rl = rm * LOG2E, rl * LOG2E
     o = out[rows].float()
     err = ((o - ro).norm() / ro.norm()).item()
     fin = torch.isfinite(rl)
@@ -113,25 +117,24 @@ def plans_equal(a, b) -> bool:
 
 
 def cuda_work(inputs: Inputs, h: int, group_size: int | None = None) -> dict:
-    """The CUDA kernel's work argument for ``inputs`` at ``h`` heads, as the backend runs it: below 64 heads a
-    plan at merge level ``64 // h`` (``plan=``, query programs of that many queries; group ``group_size``,
-    default ``sparse_prefill``'s), else ``indices=``."""
-    from .ops.sparse_attention import default_group_size, program_shape
+    """The CUDA kernel's work argument for ``inputs`` at ``h`` heads, as the backend runs it
+    (``dispatch.decide`` / ``plan_settings``): up to 32 heads a plan at merge level ``64 // h`` (``plan=``,
+    query programs of that many queries; group ``group_size``, default ``sparse_prefill``'s), else
+    ``indices=``. Its launch (``cuda_call``) leaves max_logits / lse in base 2 (``check(base2=True)``)."""
+    from . import dispatch
     from .planner import plan as make_plan
 
-    if group_size is None:
-        group_size = default_group_size(h)
-    qp = program_shape(h, group_size)[0]
-    if qp > 1:
-        return dict(plan=make_plan(inputs.indices, s_kv=inputs.case.s_kv, group_size=group_size, merge_level=qp,
-                                   split_private=False))
+    if dispatch.decide("cuda", "quilt", h, group_size=group_size).quilt:
+        pkw = dispatch.plan_settings(h, "cuda", group_size=group_size)
+        return dict(plan=make_plan(inputs.indices, s_kv=inputs.case.s_kv, **pkw))
     return dict(indices=inputs.indices)
 
 
 def cuda_call(inputs: Inputs, h: int, work: dict, **launch_kw):
     """``(call, out, max_logits, lse)`` for the tools that time the CUDA kernel directly: ``call(q, kv)``
     launches it on one input set with ``work`` (``cuda_work``) and ``launch_kw`` (``_skip``, ``_ctas``) into
-    these outputs; ``out`` starts NaN-poisoned, so an element the kernel leaves unwritten fails ``check``."""
+    these outputs; ``out`` starts NaN-poisoned, so an element the kernel leaves unwritten fails ``check``
+    (``base2=True``: a raw launch keeps max_logits / lse in base 2)."""
     from .ops import cuda_backend
 
     q0 = inputs.sets[0][0]
@@ -198,38 +201,32 @@ def run_case(inputs: Inputs, method: str, *, group_size=None, merge_level=None, 
     """Time one configuration; returns a result row (attention time with a prebuilt plan, plan time apart).
 
     ``warmup`` / ``rep``: do_bench budgets (ms) of the attention timing. ``backend``: passed to
-    ``sparse_prefill`` (None: its default, ``"auto"``); the backend that ran is the row's ``backend``.
-    With the CUDA backend a plan keeps its private rows in 64-row tiles (``split_private=False``:
-    the CUDA kernel has no 16-row query pass) and QUILT falls back only where one query fills a
-    program (h >= 64), as ``sparse_prefill`` does.
+    ``sparse_prefill`` (None: its default, ``"auto"``); the kernel that ran is the row's ``backend``. The plan
+    and what runs it are ``sparse_prefill``'s (``quilt_attn.dispatch``): with the CUDA backend a plan keeps its
+    private rows in 64-row tiles (``split_private`` only under importance clipping), and QUILT runs query
+    programs only where one query fills a program (h > 32) or as ``fallback="cost"`` says.
     """
+    from . import dispatch
     from . import plan as make_plan
-    from .api import choose_backend, sparse_prefill, triton_knobs
-    from .ops.cuda_backend import cuda_runs_quilt, query_programs_on_triton
-    from .ops.sparse_attention import LAST_COMPILED, default_group_size, program_shape, runs_quilt
+    from .api import sparse_prefill
+    from .ops.sparse_attention import LAST_COMPILED, default_group_size, program_shape
 
     c = inputs.case
     if group_size is None:  # sparse_prefill's default
         group_size = default_group_size(c.h)
     kw = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages, fp8_expand=fp8_expand)
-    knobs = triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
+    knobs = dispatch.triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
     requested = backend or "auto"
-    backend = choose_backend(requested, inputs.sets[0][0], inputs.sets[0][1], D_V, triton_knobs=knobs)
+    backend = dispatch.choose_backend(requested, inputs.sets[0][0], inputs.sets[0][1], D_V, triton_knobs=knobs)
     kw["backend"] = requested
-    auto = requested == "auto"
-    if backend == "cuda" and method == "query_parallel" and query_programs_on_triton(c.h, auto):
-        backend = "triton"  # what api._run_cuda runs
-    if backend == "cuda":  # as api._cuda_setup: private rows stay in 64-row tiles unless clipped
-        kw = dict(backend=requested)
-        split_private = importance_clip
-    pl, plan_ms, kv_tiles, ran_fallback = None, 0.0, None, False
+    pl, plan_ms, kv_tiles = None, 0.0, None
     if method == "quilt":
-        if merge_level is None:
-            merge_level = program_shape(c.h, group_size)[0]
-        pkw = dict(s_kv=c.s_kv, group_size=group_size, tile=64, clip_threshold=clip_threshold,
-                   importance_clip=importance_clip, merge_level=merge_level, split_private=split_private)
-        plan_ms = time_ms(lambda: make_plan(inputs.indices, **pkw), warmup=5, rep=50)
-        pl = make_plan(inputs.indices, **pkw)
+        pkw = dispatch.plan_settings(c.h, backend, group_size=group_size, tile=64, clip_threshold=clip_threshold,
+                                     importance_clip=importance_clip, merge_level=merge_level,
+                                     split_private=split_private)
+        merge_level, split_private = pkw["merge_level"], pkw["split_private"]
+        plan_ms = time_ms(lambda: make_plan(inputs.indices, s_kv=c.s_kv, **pkw), warmup=5, rep=50)
+        pl = make_plan(inputs.indices, s_kv=c.s_kv, **pkw)
         qp, hb = program_shape(c.h, group_size)
         _, ntiles = pl.work_list(qp)
         kv_tiles = int(ntiles.sum()) * math.ceil(c.h / hb)
@@ -237,13 +234,10 @@ def run_case(inputs: Inputs, method: str, *, group_size=None, merge_level=None, 
             kv_tiles += int(((pl.priv_n + 63) // 64).sum()) * math.ceil(c.h / program_shape(c.h, 1)[1])
         kw["plan"] = pl
         kw["fallback"] = fallback
-        if backend == "cuda":  # what api._run_cuda runs
-            ran_fallback = not cuda_runs_quilt(pl, c.h, fallback, auto)
-            if ran_fallback and query_programs_on_triton(c.h, auto):
-                backend = "triton"
-        else:
-            ran_fallback = not runs_quilt(pl, c.h, fallback)
-    if method != "quilt" or ran_fallback:
+    ran = dispatch.decide(backend, method, c.h, group_size=group_size, fallback=fallback,
+                          importance_clip=importance_clip, plan=pl, auto=requested == "auto")
+    backend, ran_fallback = ran.kernel, method == "quilt" and not ran.quilt
+    if not ran.quilt:
         kv_tiles = c.s_q * math.ceil(c.topk / 64) * math.ceil(c.h / program_shape(c.h, 1)[1])
     fn = rotating(inputs, lambda q, kv: sparse_prefill(q, kv, inputs.indices, method=method, **kw))
     q, kv = inputs.sets[0]

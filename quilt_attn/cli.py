@@ -22,7 +22,8 @@ and say nothing about kernel speed.
 
 Exit codes: 0 success; 1 a correctness check failed (``demo``) or a benchmark configuration
 failed or missed its tolerance (``bench``) or a grid configuration failed (``report``); 2 bad
-arguments, or no CUDA device for ``bench``.
+arguments, or no CUDA device for ``bench``, or a ``ValueError`` / ``TypeError`` / ``OSError`` met while
+running (an unreadable file, an output folder that is a file): one line on stderr, no traceback.
 """
 from __future__ import annotations
 
@@ -359,17 +360,22 @@ def cmd_demo(args, log: Progress) -> int:
         print("warning: Triton's CPU interpreter computes bf16 dot products wrongly; expect the check to fail "
               "(use --dtype fp16 on the CPU)", file=sys.stderr)
 
-    from .api import choose_backend
+    from . import dispatch
 
     try:
-        backend = choose_backend(args.backend, torch.empty(1, h, d_qk, dtype=dtype, device=dev),
-                                 torch.empty(1, d_qk, dtype=dtype, device=dev), d_v, tile=tile)
+        backend = dispatch.choose_backend(args.backend, torch.empty(1, h, d_qk, dtype=dtype, device=dev),
+                                          torch.empty(1, d_qk, dtype=dtype, device=dev), d_v, tile=tile)
     except ValueError as err:
         raise UsageError(f"argument --backend: {err}") from None
     group_size = args.group_size if args.group_size is not None else ops.default_group_size(h)
     _check_merge_level(args.merge_level, group_size)
     qp, hb = ops.program_shape(h, group_size)
-    merge_level = args.merge_level if args.merge_level is not None else qp
+    try:  # the plan sparse_prefill builds for this backend (CUDA: private rows stay in the 64-row tiles)
+        settings = dispatch.plan_settings(h, backend, group_size=group_size, tile=tile,
+                                          clip_threshold=args.clip_threshold, merge_level=args.merge_level)
+    except ValueError as err:
+        raise UsageError(f"argument --tile: {err}") from None
+    merge_level = settings["merge_level"]
     mode = ("GPU: " + torch.cuda.get_device_name()) if cuda else "CPU: Triton interpreter (TRITON_INTERPRET=1)"
     print(f"quilt-attn demo on {mode}")
     print(f"  workload {args.workload}: s_q={s_q} s_kv={s_kv} topk={topk} seed={args.seed}")
@@ -394,8 +400,7 @@ def cmd_demo(args, log: Progress) -> int:
     log("planning" + (" (the first call compiles the Triton planner)" if cuda else " (torch planner)"))
     t0 = time.perf_counter()
     try:
-        pl = make_plan(indices, s_kv=s_kv, group_size=group_size, tile=tile, clip_threshold=args.clip_threshold,
-                       merge_level=merge_level, split_private=backend != "cuda")  # CUDA: 64-row tiles only
+        pl = make_plan(indices, s_kv=s_kv, **settings)
         st = pl.stats
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -446,11 +451,14 @@ def cmd_demo(args, log: Progress) -> int:
     print(f"  kernel tile loads : quilt {quilt_loads} x {tile} rows shared + {priv_loads} x 64 rows private vs "
           f"query-parallel {qp_loads} x 64 rows -> gathered kv rows "
           f"{(quilt_loads * tile + priv_loads * 64) / max(1, qp_loads * 64):.3f}x")
-    # the Triton path decides by its tile-time model; the CUDA kernel runs QUILT wherever a program holds
-    # more than one query (the demo passes the resolved backend, so no automatic switch back to Triton)
-    pays = qp > 1 if backend == "cuda" else ops.runs_quilt(pl, h)
+    # sparse_prefill decides from the settings (dispatch.decide); the measured tile-cost rule is an opt-in
+    # (fallback="cost"; the demo passes the resolved backend, so no automatic switch to Triton)
+    runs = dispatch.decide(backend, "quilt", h, plan=pl)
+    cost = dispatch.decide(backend, "quilt", h, plan=pl, fallback="cost", auto=args.backend == "auto")
     print(f"  sparse_prefill(method='quilt') at this size runs: "
-          f"{'the QUILT kernels' if pays else 'query-parallel (the plan says sharing would not pay off)'}")
+          f"{'the QUILT kernels' if runs.quilt else 'query-parallel (one query fills a 64-row tile)'}; "
+          f"the tile-cost rule (fallback='cost') would run "
+          f"{'the QUILT kernels' if cost.quilt else 'query-parallel (sharing would not pay off)'}")
     print()
     if cuda:
         import triton.testing
@@ -460,8 +468,7 @@ def cmd_demo(args, log: Progress) -> int:
         def bench(fn):
             return float(triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median"))
 
-        pkw = dict(s_kv=s_kv, group_size=group_size, tile=tile, clip_threshold=args.clip_threshold,
-                   merge_level=merge_level, split_private=pl.split_private)
+        pkw = dict(s_kv=s_kv, **settings)
         run = dict(d_v=d_v, backend=backend)
         t_plan = bench(lambda: make_plan(indices, **pkw))
         t_quilt = bench(lambda: sparse_prefill(q, kv, indices, method="quilt", plan=pl, **run))
@@ -737,6 +744,8 @@ def cmd_report(args, log: Progress) -> int:
         if (not gpu or args.quick) and out_dir in recorded:
             raise UsageError(f"argument --out-dir: a {'quick' if args.quick else 'CPU'} run does not write into "
                              f"{out_dir} (recorded GPU results)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"argument --out-dir: {str(out_dir)!r} exists and is not a folder")
     os.makedirs(out_dir, exist_ok=True)
     env = environment()
     meta = dict(env, command=command)
@@ -833,7 +842,7 @@ def cmd_report(args, log: Progress) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .workloads import WORKLOADS
+    from .workloads import INDEXER_WORKLOADS, WORKLOADS
 
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
@@ -1046,8 +1055,9 @@ def build_parser() -> argparse.ArgumentParser:
     og.add_argument("--overlap-topk", type=_pos_int, default=CPU_SIZES["topk"], metavar="K",
                     help=f"(default: {CPU_SIZES['topk']})")
     cg = sp.add_argument_group("clipping accuracy")
-    cg.add_argument("--clip-workloads", type=_choice_list(WORKLOADS), default=["glm53-like", "ds32-like"],
-                    metavar="W,W,...", help="(default: glm53-like,ds32-like)")
+    cg.add_argument("--clip-workloads", type=_choice_list(INDEXER_WORKLOADS), default=["glm53-like", "ds32-like"],
+                    metavar="W,W,...", help=f"indexer-model workloads, from: {', '.join(INDEXER_WORKLOADS)} "
+                                            "(q / kv follow their scores) (default: glm53-like,ds32-like)")
     cg.add_argument("--clip-thresholds", type=unit_floats,
                     default=[0.25, 0.5, 0.75, 1.0], metavar="T,T,...", help="(default: 0.25,0.5,0.75,1.0)")
     for k in ("s_q", "s_kv", "topk", "heads"):
@@ -1107,6 +1117,10 @@ def main(argv=None) -> int:
         return args.func(args, log)
     except UsageError as err:
         print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, OSError) as err:  # a bad value, file or folder found while running: one line
+        msg = " ".join(str(err).split()) or type(err).__name__
+        print(f"{PROG} {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
 

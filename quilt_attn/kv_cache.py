@@ -9,6 +9,11 @@ Two layouts of the MLA latent cache (one row a token, shared by all heads):
 Scales are powers of two (``2**ceil(log2(amax / 448))``), so dequantization is an exact
 multiply and the only error is the e4m3 rounding of the latent values (relative error
 <= 2**-4 per element, see ``FP8_REL_ERR``).
+
+Non-finite values: a group's scale is taken from its finite values only, so an inf or NaN changes
+no other element of its group. NaN stays NaN (e4m3fn has a NaN); e4m3fn has no infinity, so
+``+-inf`` saturates to ``+-448 * scale``, the largest magnitude the group can hold (as torch's own
+cast to ``float8_e4m3fn`` saturates). A group with no finite nonzero value gets scale 1.
 """
 from __future__ import annotations
 
@@ -28,8 +33,21 @@ FP8_REL_ERR = 2.0**-4
 
 
 def is_fp8_cache(kv: torch.Tensor) -> bool:
-    """True when ``kv`` is the 656-byte FP8 cache (``uint8 [s_kv, 656]`` or ``[s_kv, 1, 656]``)."""
-    return kv.dtype == torch.uint8 and kv.shape[-1] == FP8_BYTES
+    """True when ``kv`` holds 656-byte FP8 rows (uint8, last dimension 656), whatever its rank:
+    ``canonical_fp8_cache`` then checks the layout."""
+    return kv.dtype == torch.uint8 and kv.dim() >= 1 and kv.shape[-1] == FP8_BYTES
+
+
+def canonical_fp8_cache(kv: torch.Tensor, name: str = "kv") -> torch.Tensor:
+    """The FP8 cache as ``uint8 [s_kv, 656]`` (``[s_kv, 1, 656]`` squeezed); ``ValueError`` naming
+    ``name`` for any other layout (a 1-D ``[656]`` would otherwise read as 656 rows of one byte)."""
+    require_tensor(name, kv)
+    if kv.dim() == 3 and kv.shape[1] == 1:
+        kv = kv[:, 0]
+    if not is_fp8_cache(kv) or kv.dim() != 2:
+        raise ValueError(f"{name} must be uint8 [s_kv, {FP8_BYTES}] (or [s_kv, 1, {FP8_BYTES}]) to be the FP8 cache, "
+                         f"got {str(kv.dtype).replace('torch.', '')} {tuple(kv.shape)}")
+    return kv
 
 
 def quantize_fp8(kv: torch.Tensor) -> torch.Tensor:
@@ -41,7 +59,8 @@ def quantize_fp8(kv: torch.Tensor) -> torch.Tensor:
 
     Returns
     -------
-    Tensor ``uint8 [s_kv, 656]``.
+    Tensor ``uint8 [s_kv, 656]``. Non-finite values: see the module docstring (NaN kept, +-inf
+    saturated to the group's largest magnitude, the rest of the group unaffected).
     """
     require_tensor("kv", kv)
     if kv.dim() == 3 and kv.shape[1] == 1:
@@ -52,8 +71,11 @@ def quantize_fp8(kv: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"kv must have d_qk = {D_QK} for the FP8 cache, got {kv.shape[1]}")
     s_kv = kv.shape[0]
     out = torch.empty(s_kv, FP8_BYTES, dtype=torch.uint8, device=kv.device)
-    nope = kv[:, :D_NOPE].float().view(s_kv, FP8_NUM_SCALES, FP8_GROUP)
-    amax = nope.abs().amax(dim=-1).clamp_min(1e-30)
+    nope = kv[:, :D_NOPE].float().reshape(s_kv, FP8_NUM_SCALES, FP8_GROUP)
+    # the scale comes from the finite values only, so one inf / NaN spoils no other element of its
+    # group; a group without a finite nonzero value gets scale 1
+    amax = torch.where(torch.isfinite(nope), nope.abs(), 0.0).amax(dim=-1)
+    amax = torch.where(amax > 0, amax, FP8_E4M3_MAX)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))  # [s_kv, 4], power of two
     q = (nope / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     out[:, :D_NOPE] = q.view(s_kv, D_NOPE).view(torch.uint8)
@@ -64,11 +86,7 @@ def quantize_fp8(kv: torch.Tensor) -> torch.Tensor:
 
 def dequantize_fp8(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Expand the FP8 cache back to a dense ``[s_kv, 576]`` tensor of ``dtype``."""
-    require_tensor("cache", cache)
-    if cache.dim() == 3 and cache.shape[1] == 1:
-        cache = cache[:, 0]
-    if not is_fp8_cache(cache) or cache.dim() != 2:
-        raise ValueError(f"cache must be uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} {tuple(cache.shape)}")
+    cache = canonical_fp8_cache(cache, "cache")
     s_kv = cache.shape[0]
     cache = cache.contiguous()
     q = cache[:, :D_NOPE].contiguous().view(torch.float8_e4m3fn).float().view(s_kv, FP8_NUM_SCALES, FP8_GROUP)

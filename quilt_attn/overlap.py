@@ -203,10 +203,10 @@ def overlap_profile(
     indices = canonical_indices(indices)
     if isinstance(group_sizes, int) or not all(isinstance(G, int) for G in group_sizes):
         raise TypeError("group_sizes must be a sequence of ints")
-    group_sizes = tuple(sorted(set(check_group_size(G) for G in group_sizes)))
+    group_sizes = tuple(sorted(set(check_group_size(G, name="group_sizes") for G in group_sizes)))
     if not group_sizes:
         raise ValueError("group_sizes must not be empty")
-    cascade_group = check_group_size(cascade_group)
+    cascade_group = check_group_size(cascade_group, name="cascade_group")
     if s_kv is not None and (not isinstance(s_kv, int) or isinstance(s_kv, bool) or s_kv < 1):
         raise ValueError(f"s_kv must be None or an int >= 1, got {s_kv!r}")
     s_q, topk = indices.shape

@@ -13,32 +13,31 @@ cut into chunks of whole groups: the plan of a chunk equals the corresponding gr
 planner runs on a side stream one chunk ahead of the attention on the current stream; only the first
 chunk's plan is exposed. On the CPU (Triton interpreter) the same steps run one after another.
 
-On Triton, fallback (QUILT vs query-parallel) is decided per chunk, by the rule ``sparse_prefill``
-applies per plan (``runs_quilt``). That decision reads a sum on the host. It is made on the side stream right after the
-chunk's plan, so the host waits for that planner only, while the previous chunk's attention keeps the
-current stream busy; the pipeline stalls only where planning a chunk takes longer than attending the
-one before it. ``fallback=False`` (or ``importance_clip``) makes no host sync at all.
-
-Backends are those of ``sparse_prefill`` (``backend=``, resolved once per call by ``api.choose_backend``).
-The CUDA kernel runs every tile as a 64-row product, so its chunks are planned as ``sparse_prefill``
-plans for it (``api._cuda_setup``: no private split; an FP8 cache expanded once per call) and always
-run QUILT: no fallback decision, hence no host sync. At ``h >= 64`` with ``fallback`` (and without
-``importance_clip``) neither backend plans: all queries run query-parallel in one launch.
+What runs is decided as ``sparse_prefill`` decides it (``quilt_attn.dispatch``: backend resolved once per
+call, plan settings, QUILT or query programs), from the settings, so no host sync: where a program holds
+several queries (``h <= 32``) every chunk runs its plan (the CUDA kernel's plans keep private rows in the
+tiles; an FP8 cache is expanded once per call); where one query fills a 64-row tile (``h > 32``) with
+``fallback`` (and without ``importance_clip``) nothing is planned and all queries run query programs in one
+launch. ``fallback="cost"`` (prebuilt ``plans`` only) applies the
+measured tile-cost rule per chunk plan, reading its tile counts on the host.
 """
 from __future__ import annotations
 
 import torch
 
+from . import dispatch
 from ._checks import (
     canonical_indices,
     check_attn_sink,
+    check_d_v,
+    check_sm_scale,
     check_topk_length,
+    indices_view,
     require_ndim,
     require_same_device,
     require_tensor,
 )
-from .api import (BACKENDS, _check_kernel_inputs, _cuda_setup, _is_pow2, _kernels_can_run, choose_backend,
-                  maybe_expand_fp8, triton_knobs)
+from .api import BACKENDS, _check_kernel_inputs, _is_pow2, _kernels_can_run, empty_outputs
 from .planner import Plan
 from .planner import plan as make_plan
 from .planner.membership import check_group_size
@@ -76,18 +75,6 @@ def _group_size(h: int, group_size) -> int:
     return default_group_size(h) if group_size is None else group_size
 
 
-def _plan_settings(h: int, group_size, tile, clip_threshold, importance_clip, merge_level, split_private) -> dict:
-    """``quilt_attn.plan`` keywords with ``sparse_prefill``'s defaults (merge level = queries a program)."""
-    from .ops.sparse_attention import program_shape
-
-    if merge_level is None:
-        merge_level = program_shape(h, group_size)[0]
-    if not isinstance(tile, int) or tile < 16 or not _is_pow2(tile):
-        raise ValueError(f"the kernel needs a tile that is a power of two >= 16, got {tile!r}")
-    return dict(group_size=group_size, tile=tile, clip_threshold=clip_threshold, importance_clip=importance_clip,
-                merge_level=merge_level, split_private=split_private)
-
-
 def plan_chunks(indices: torch.Tensor, h: int, *, s_kv: int, chunk: int = 4096, first_chunk: int | None = None,
                 topk_length: torch.Tensor | None = None, group_size: int | None = None, tile: int = 64,
                 clip_threshold: float = 0.5, importance_clip: bool = False, merge_level: int | None = None,
@@ -106,11 +93,12 @@ def plan_chunks(indices: torch.Tensor, h: int, *, s_kv: int, chunk: int = 4096, 
     One ``Plan`` a chunk, for ``indices[q0:q1]`` of ``chunk_bounds(s_q, chunk, group_size, first_chunk)``;
     each equals the corresponding groups of the unchunked plan.
     """
-    indices = canonical_indices(indices)
+    indices = indices_view(indices)  # chunks are slices of the caller's tensors: each plan's source
     s_q = indices.shape[0]
-    topk_length = check_topk_length(topk_length, s_q, indices.device)
+    check_topk_length(topk_length, s_q, indices.device)
     group_size = _group_size(h, group_size)
-    pkw = _plan_settings(h, group_size, tile, clip_threshold, importance_clip, merge_level, split_private)
+    pkw = dispatch.plan_settings(h, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
+                                 importance_clip=importance_clip, merge_level=merge_level, split_private=split_private)
     return [make_plan(indices[q0:q1], s_kv=s_kv, topk_length=None if topk_length is None else topk_length[q0:q1],
                       **pkw)
             for q0, q1 in chunk_bounds(s_q, chunk, group_size, first_chunk)]
@@ -125,21 +113,17 @@ def _plan_tensors(p: Plan):
                 yield t
 
 
-def _attend(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, quilt, indices, topk_length, attn_sink, tuning):
-    """One chunk's attention into the given output views (the passes of ``launch_sparse_attention``).
+def _attend(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink, tuning):
+    """One chunk's plan passes into the given output views (those of ``launch_sparse_attention``).
 
     ``launch_sparse_attention`` allocates its outputs; writing each chunk straight into its rows of one
     output saves concatenating them afterwards (a copy of ``out``: ~0.1 ms at 16384 x 16 x 512 bf16).
     The kernel addresses ``out`` by its strides and ``max_logits`` / ``lse`` as contiguous ``[s_q, h]``,
     which row slices of contiguous tensors are.
     """
-    from .ops.sparse_attention import _launch, run_plan_passes
+    from .ops.sparse_attention import run_plan_passes
 
-    if not quilt:  # fallback: query by query, exactly as sparse_prefill's query-parallel path
-        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices.contiguous(), topk_length=topk_length,
-                attn_sink=attn_sink, **tuning)
-    else:
-        run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **tuning)
+    run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **tuning)
 
 
 def _attend_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink):
@@ -199,13 +183,15 @@ def plan_ahead(indices: torch.Tensor, h: int, *, s_kv: int, topk_length: torch.T
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(h, int) or isinstance(h, bool) or h < 1:
         raise ValueError(f"h must be a positive int, got {h!r}")
-    indices = canonical_indices(indices)
-    topk_length = check_topk_length(topk_length, indices.shape[0], indices.device)
+    indices = indices_view(indices)  # the caller's tensors go to the planner: the plan's source
+    check_topk_length(topk_length, indices.shape[0], indices.device)
+    which = None  # split_private given: as given
     if split_private is None:
         cuda = backend == "cuda" or (backend == "auto" and cuda_backend.unavailable_reason(indices.device) is None)
-        split_private = importance_clip if cuda else True
-    group_size = _group_size(h, group_size)
-    pkw = _plan_settings(h, group_size, tile, clip_threshold, importance_clip, merge_level, split_private)
+        which, split_private = ("cuda" if cuda else "triton"), True
+    pkw = dispatch.plan_settings(h, which, group_size=_group_size(h, group_size), tile=tile,
+                                 clip_threshold=clip_threshold, importance_clip=importance_clip,
+                                 merge_level=merge_level, split_private=split_private)
     if indices.device.type != "cuda":
         return make_plan(indices, s_kv=s_kv, topk_length=topk_length, **pkw)
     main = torch.cuda.current_stream(indices.device)
@@ -237,7 +223,7 @@ def sparse_prefill_pipelined(
     importance_clip: bool = False,
     merge_level: int | None = None,
     split_private: bool = True,
-    fallback: bool = True,
+    fallback: bool | str = True,
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
@@ -251,9 +237,8 @@ def sparse_prefill_pipelined(
     """QUILT sparse prefill in chunks of queries, each chunk planned while the previous one attends.
 
     Same semantics, arguments and defaults as ``sparse_prefill(method="quilt")``; the outputs equal its
-    outputs (same backend) bit for bit whenever every chunk takes the fallback decision that the
-    unchunked plan takes: always on the CUDA backend (its decision depends on h, not on the plan), and on Triton with
-    ``fallback=False``, with ``importance_clip``, or at ``h >= 64``.
+    outputs (same backend) bit for bit (with ``fallback="cost"``, where every chunk plan takes the decision
+    the unchunked plan takes).
 
     Parameters
     ----------
@@ -270,20 +255,21 @@ def sparse_prefill_pipelined(
     group_size, tile, clip_threshold, importance_clip, merge_level, split_private : planner settings,
         as in ``sparse_prefill`` (``group_size`` and ``merge_level`` default ``64 // h`` queries, at most 8;
         the CUDA backend plans with ``split_private=False`` whatever is given).
-    fallback : Triton: decide per chunk whether QUILT pays off, else run that chunk query-parallel (see
-        the module docstring for where the decision's host sync goes). Both backends: at ``h >= 64``
-        nothing is planned and all queries run query-parallel.
+    fallback : as in ``sparse_prefill``: True: at ``h > 32`` nothing is planned and all queries run query
+        programs, below every chunk runs its plan; False: plans always run; ``"cost"`` (with ``plans``
+        only): the measured tile-cost rule per chunk plan (a host read of its tile counts).
     d_v, attn_sink ``[h]``, topk_length ``[s_q]``, dv_split, num_warps, num_stages, fp8_expand : as in
         ``sparse_prefill`` (an FP8 cache, when expanded, is expanded once for all chunks).
     plan_stream : CUDA stream for the planner (default: one high-priority stream per device).
-    backend : ``"auto"``, ``"triton"`` or ``"cuda"``, as in ``sparse_prefill`` (``api.choose_backend``).
+    backend : ``"auto"``, ``"triton"`` or ``"cuda"``, as in ``sparse_prefill`` (``dispatch.choose_backend``).
 
     Returns
     -------
-    out ``[s_q, h, d_v]`` (q's dtype), max_logits ``[s_q, h]`` float32, lse ``[s_q, h]`` float32 (base 2).
+    out ``[s_q, h, d_v]`` (q's dtype), max_logits and lse ``[s_q, h]`` float32 (natural log), as
+    ``sparse_prefill``.
     """
     from .ops import cuda_backend
-    from .ops.sparse_attention import _launch, program_shape, runs_quilt
+    from .ops.sparse_attention import _launch, program_shape
 
     require_tensor("q", q)
     require_ndim("q", q, (3,), "[s_q, h, d_qk]")
@@ -291,38 +277,41 @@ def sparse_prefill_pipelined(
     require_same_device("kv", kv, "q", q)
     s_q, h, d_qk = q.shape
     group_size = _group_size(h, group_size)
+    indices_arg, topk_length_arg = indices_view(indices, s_q), topk_length  # what prebuilt plans must come from
     indices = canonical_indices(indices, s_q)
     require_same_device("indices", indices, "q", q)
-    topk_length = check_topk_length(topk_length, s_q, q.device)
+    topk_length = check_topk_length(topk_length, s_q, q.device, indices.shape[1])
     attn_sink = check_attn_sink(attn_sink, h, q.device)
-    if not isinstance(d_v, int) or not 0 < d_v <= d_qk:
-        raise ValueError(f"d_v must be an int in [1, d_qk = {d_qk}], got {d_v!r}")
+    d_v = check_d_v(d_v, d_qk)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     kv = _check_kernel_inputs(q, kv, d_v)
-    knobs = triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
+    knobs = dispatch.triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
+    fallback = dispatch.check_fallback(fallback)
+    if fallback == "cost" and plans is None:
+        raise ValueError("fallback='cost' reads the tile counts of prebuilt plans (a host sync each): pass plans= "
+                         "(plan_chunks), or use fallback=True")
     # prebuilt plans: the first one's tile decides, as sparse_prefill's plan does (all are checked below)
     first_plan = plans[0] if plans and isinstance(plans[0], Plan) else None
-    cuda = choose_backend(backend, q, kv, d_v, first_plan, tile=tile, triton_knobs=knobs) == "cuda"
+    auto = backend == "auto"
+    backend = dispatch.choose_backend(backend, q, kv, d_v, first_plan, tile=tile, triton_knobs=knobs)
+    cuda = backend == "cuda"
     if not cuda and not _kernels_can_run(q.device):
         raise ValueError(f"sparse_prefill_pipelined runs Triton kernels: q must be on a CUDA device "
                          f"(or set TRITON_INTERPRET=1 to run them on the CPU); got {q.device}")
     if dv_split not in (1, 2) or (dv_split == 2 and (d_v // 2 < 16 or (kv.dtype == torch.uint8 and d_v // 2 % 128))):
         raise ValueError(f"dv_split must be 1 or 2 (2 needs d_v / 2 >= 16), got {dv_split}")
-    if sm_scale is None:
-        sm_scale = d_qk**-0.5
+    sm_scale = check_sm_scale(sm_scale, d_qk)
     s_kv = kv.shape[0]
     tuning = dict(dv_split=dv_split, num_warps=num_warps, num_stages=num_stages)
 
-    if cuda:  # kv and plan settings as sparse_prefill(backend="cuda") makes them
-        kv, pkw = _cuda_setup(q, kv, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
-                              importance_clip=importance_clip, merge_level=merge_level, fallback=fallback)
-        plan_nothing = pkw is None
-    else:
-        kv = maybe_expand_fp8(q, kv, indices.shape[1], fp8_expand)  # once for all chunks
-        pkw = None if plans is not None else _plan_settings(h, group_size, tile, clip_threshold, importance_clip,
-                                                             merge_level, split_private)
-        plan_nothing = fallback and not importance_clip and program_shape(h, group_size)[0] == 1
+    # kv, and the plan settings and decision, as sparse_prefill makes them (an FP8 cache expanded once)
+    kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], fp8_expand)
+    whole = dispatch.decide(backend, "quilt", h, group_size=group_size, fallback=fallback,
+                            importance_clip=importance_clip, auto=auto) if plans is None else None
+    pkw = dispatch.plan_settings(h, backend, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
+                                 importance_clip=importance_clip, merge_level=merge_level,
+                                 split_private=split_private) if whole is not None and whole.quilt else None
     if plans is None:
         bounds = chunk_bounds(s_q, chunk, group_size, first_chunk)
     else:
@@ -338,58 +327,71 @@ def sparse_prefill_pipelined(
             if cuda and p.tile != cuda_backend.TILE:
                 raise ValueError(f"the CUDA backend runs plans with tile = {cuda_backend.TILE}, got plans[{i}].tile "
                                  f"= {p.tile}")
-            bounds.append((q0, q0 + p.s_q))
-            q0 += p.s_q
+            q1 = q0 + p.s_q
+            why = None if p.source is None or q1 > s_q else p.source.mismatch(
+                indices_arg[q0:q1], s_kv, None if topk_length_arg is None else topk_length_arg[q0:q1])
+            if why is not None:
+                raise ValueError(f"plans[{i}] does not fit queries {q0}..{q1}: {why}")
+            bounds.append((q0, q1))
+            q0 = q1
         if q0 != s_q:
             raise ValueError(f"plans cover {q0} queries but q has s_q = {s_q}")
 
+    if s_kv == 0:  # no kv row: every index is invalid, every row empty (as sparse_prefill)
+        return empty_outputs(q, d_v)
     out = torch.empty(s_q, h, d_v, dtype=q.dtype, device=q.device)
     max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
     lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
     if s_q == 0:
         return out, max_logits, lse
-    if plans is None and plan_nothing:
-        # h >= 64: one query already fills a 64-row tile (sparse_prefill skips planning here too)
-        qpar = dict(indices=indices.contiguous(), topk_length=topk_length, attn_sink=attn_sink)
-        if cuda:
-            cuda_backend.launch(q, kv, sm_scale, out, max_logits, lse, **qpar)
+
+    def query_programs(kernel, sl):
+        """Query programs over the queries ``sl`` on ``kernel`` (``"cuda"`` or ``"triton"``)."""
+        qpar = dict(indices=indices[sl].contiguous(), topk_length=None if topk_length is None else topk_length[sl],
+                    attn_sink=attn_sink)
+        if kernel == "cuda":
+            cuda_backend.launch(q[sl], kv, sm_scale, out[sl], max_logits[sl], lse[sl], **qpar)
         else:
-            _launch(q, kv, sm_scale, d_v, out, max_logits, lse, **qpar, **tuning)
+            _launch(q[sl], kv, sm_scale, d_v, out[sl], max_logits[sl], lse[sl], **qpar, **tuning)
+
+    if whole is not None and not whole.quilt:
+        # h > 32: one query already fills a 64-row tile (sparse_prefill skips planning here too)
+        query_programs(whole.kernel, slice(0, s_q))
+        dispatch.natural_log_stats(max_logits, lse)
         return out, max_logits, lse
 
     def plan_chunk(i):
-        """Chunk i's plan, whether it runs QUILT, and its work list built here (not on the attention's stream)."""
+        """Chunk i's plan, what runs it, and its work list built here (not on the attention's stream)."""
         q0, q1 = bounds[i]
         if plans is not None:
             p = plans[i].wait()  # (a plan_ahead plan: this stream waits for its planner)
         else:
             p = make_plan(indices[q0:q1], s_kv=s_kv,
                           topk_length=None if topk_length is None else topk_length[q0:q1], **pkw)
-        # as sparse_prefill(backend=...) decides for a given plan; Triton with fallback: one host sync, on
-        # this stream only (the CUDA rule needs none: no auto switch to Triton here)
-        quilt = cuda_backend.cuda_runs_quilt(p, h, fallback) if cuda else runs_quilt(p, h, fallback)
-        if quilt:
-            p.work_list(program_shape(h, p.group_size)[0])
-        return p, quilt
+        # as sparse_prefill decides for a given plan (fallback="cost": a host read, on this stream only)
+        run = dispatch.decide(backend, "quilt", h, plan=p, fallback=fallback, auto=auto)
+        if run.quilt:
+            qp = program_shape(h, p.group_size)[0]
+            p.work_list(qp)
+            if run.kernel == "cuda":
+                p.program_order(qp)
+        return p, run
 
-    def attend(i, p, quilt):
+    def attend(i, p, run):
         q0, q1 = bounds[i]
-        if cuda and quilt:
+        if not run.quilt:  # a prebuilt plan at h > 32, or one the cost rule turns down
+            query_programs(run.kernel, slice(q0, q1))
+        elif run.kernel == "cuda":
             _attend_cuda(q[q0:q1], kv, sm_scale, d_v, out[q0:q1], max_logits[q0:q1], lse[q0:q1], plan=p,
                          attn_sink=attn_sink)
-            return
-        if cuda:  # a prebuilt plan at h >= 64: one query fills a program, run the chunk query by query
-            cuda_backend.launch(q[q0:q1], kv, sm_scale, out[q0:q1], max_logits[q0:q1], lse[q0:q1],
-                                indices=indices[q0:q1].contiguous(),
-                                topk_length=None if topk_length is None else topk_length[q0:q1], attn_sink=attn_sink)
-            return
-        _attend(q[q0:q1], kv, sm_scale, d_v, out[q0:q1], max_logits[q0:q1], lse[q0:q1], plan=p, quilt=quilt,
-                indices=indices[q0:q1], topk_length=None if topk_length is None else topk_length[q0:q1],
-                attn_sink=attn_sink, tuning=tuning)
+        else:
+            _attend(q[q0:q1], kv, sm_scale, d_v, out[q0:q1], max_logits[q0:q1], lse[q0:q1], plan=p,
+                    attn_sink=attn_sink, tuning=tuning)
 
     if q.device.type != "cuda" or plans is not None:  # nothing to overlap: one chunk after another
         for i in range(len(bounds)):
             attend(i, *plan_chunk(i))
+        dispatch.natural_log_stats(max_logits, lse)
         return out, max_logits, lse
 
     main = torch.cuda.current_stream(q.device)
@@ -398,16 +400,16 @@ def sparse_prefill_pipelined(
 
     def plan_on_side(i):
         with torch.cuda.stream(side):
-            p, quilt = plan_chunk(i)
+            p, run = plan_chunk(i)
             ready = torch.cuda.Event()
             ready.record(side)
-        return p, quilt, ready
+        return p, run, ready
 
     nxt = plan_on_side(0)
     for i in range(len(bounds)):
-        p, quilt, ready = nxt
+        p, run, ready = nxt
         main.wait_event(ready)
-        attend(i, p, quilt)
+        attend(i, p, run)
         # the plan's tensors were allocated on the side stream: without this the allocator could hand
         # them to the next chunk's plan as soon as this reference goes, while this attention still reads them
         for t in _plan_tensors(p):
@@ -415,4 +417,5 @@ def sparse_prefill_pipelined(
         if i + 1 < len(bounds):
             nxt = plan_on_side(i + 1)  # enqueued behind attention i, so the host blocks (if at all) while it runs
     main.wait_stream(side)  # work after this call (and the planner's scratch table) stays ordered after planning
+    dispatch.natural_log_stats(max_logits, lse)
     return out, max_logits, lse

@@ -10,13 +10,25 @@ Conventions (one canonical layout for the whole package)::
     out      [s_q, h, d_v]       values are the first d_v columns of kv
     max_logits, lse [s_q, h]     float32
 
-Logits are ``P = (q . kv) * sm_scale * log2(e)`` (base 2), ``max_logits = max P``,
-``lse = log2(sum 2**P)`` and ``out = sum 2**(P - lse) * kv[:, :d_v]``.
+Logits are ``P = (q . kv) * sm_scale`` over a query's valid selected rows, ``max_logits = max P``,
+``lse = logsumexp P = log(sum exp P)`` (natural log, as FlashMLA's current release; its first release
+returned base 2) and ``out = sum exp(P - lse) * kv[:, :d_v]``.
 A query row with no valid index gets ``out = 0``, ``max_logits = -inf`` and ``lse = +inf``.
-``attn_sink [h]`` (float32, natural-log units) multiplies ``out`` by
-``exp(lse_e) / (exp(lse_e) + exp(attn_sink))`` where ``lse_e = lse * ln 2``; it leaves ``lse``
-and ``max_logits`` unchanged (+inf zeros the output, -inf has no effect).
+``attn_sink [h]`` (float32) multiplies ``out`` by ``exp(lse) / (exp(lse) + exp(attn_sink))``; it
+leaves ``lse`` and ``max_logits`` unchanged, and infinite sinks are numbers too (+inf zeros the
+output, -inf has no effect). The kernels keep base-2 state internally and convert at the public
+boundary (``dispatch.natural_log_stats``).
 ``topk_length [s_q]`` keeps only the first ``topk_length[i]`` entries of row i.
+
+Empty rows and non-finite values. A row is empty (``out = 0``, ``max_logits = -inf``,
+``lse = +inf``) when nothing carries weight: no valid index (decided by the validity mask alone,
+so ``s_kv = 0`` makes every row empty), or every valid logit is ``-inf`` (``exp`` gives 0 for all of
+them, as for an ignored entry). Every other row follows IEEE float64 arithmetic of the stable
+softmax ``lse = m + log sum exp(P - m)``, ``m = max P``: a ``+inf`` logit gives ``inf - inf = NaN``
+(NaN ``out`` and ``lse`` for that query and head, ``max_logits = +inf``), a NaN logit NaN (``max_logits``
+NaN too; a GPU kernel's max may skip it), a ``-inf`` logit among finite ones weight 0, and a weight
+0 times a non-finite value row NaN (``0 * inf``). Ignored entries (invalid, past ``topk_length``)
+never touch the sums: non-finite values in rows no query selects cannot reach any output.
 """
 from __future__ import annotations
 
@@ -29,12 +41,14 @@ from ._checks import (
     canonical_indices,
     canonical_kv,
     check_attn_sink,
+    check_d_v,
+    check_sm_scale,
     check_topk_length,
     require_dtype,
     require_ndim,
     require_tensor,
 )
-from .kv_cache import dequantize_fp8, is_fp8_cache
+from .kv_cache import canonical_fp8_cache, dequantize_fp8, is_fp8_cache
 
 LOG2E = math.log2(math.e)
 
@@ -49,8 +63,9 @@ def valid_index_mask(indices: torch.Tensor, s_kv: int, topk_length: torch.Tensor
 
 
 def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
-    """Scale ``out [s_q, h, d_v]`` by ``1 / (1 + exp(attn_sink - lse * ln2))`` (base-2 ``lse``)."""
-    factor = torch.sigmoid(lse.to(torch.float64) * math.log(2.0) - attn_sink.to(torch.float64)[None, :])
+    """Scale ``out [s_q, h, d_v]`` by ``exp(lse) / (exp(lse) + exp(attn_sink)) = 1 / (1 + exp(attn_sink - lse))``
+    (natural-log ``lse [s_q, h]``)."""
+    factor = torch.sigmoid(lse.to(torch.float64) - attn_sink.to(torch.float64)[None, :])
     factor = torch.where(torch.isinf(lse), torch.zeros_like(factor), factor)  # empty rows stay 0
     return out * factor[..., None].to(out.dtype)
 
@@ -83,32 +98,30 @@ def sparse_prefill_reference(
 
     Returns
     -------
-    out ``[s_q, h, d_v]`` (compute_dtype), max_logits ``[s_q, h]`` and lse ``[s_q, h]`` (float32).
+    out ``[s_q, h, d_v]`` (compute_dtype), max_logits ``[s_q, h]`` and lse ``[s_q, h]`` (float32, natural log).
     """
     require_tensor("q", q)
     require_ndim("q", q, (3,), "[s_q, h, d_qk]")
     require_dtype("q", q, FLOAT_DTYPES)
     require_tensor("kv", kv)
     if is_fp8_cache(kv):
-        kv = dequantize_fp8(kv, torch.float32)
+        kv = dequantize_fp8(canonical_fp8_cache(kv), torch.float32)
     kv = canonical_kv(kv)
     require_dtype("kv", kv, FLOAT_DTYPES)
     s_q, h, d_qk = q.shape
     if kv.shape[1] != d_qk:
         raise ValueError(f"kv has d_qk = {kv.shape[1]} but q has d_qk = {d_qk}")
-    if not 0 < d_v <= d_qk:
-        raise ValueError(f"d_v must be in [1, d_qk = {d_qk}], got {d_v}")
+    d_v = check_d_v(d_v, d_qk)
     indices = canonical_indices(indices, s_q)
-    topk_length = check_topk_length(topk_length, s_q, indices.device)
+    topk_length = check_topk_length(topk_length, s_q, indices.device, indices.shape[1])
     attn_sink = check_attn_sink(attn_sink, h, q.device)
-    if sm_scale is None:
-        sm_scale = d_qk**-0.5
+    sm_scale = check_sm_scale(sm_scale, d_qk)
     s_kv = kv.shape[0]
     dev = q.device
     indices = indices.to(dev)
     valid = valid_index_mask(indices, s_kv, topk_length)
     kvc = kv.to(dev, compute_dtype)
-    scale2 = float(sm_scale) * LOG2E
+    scale = float(sm_scale)
 
     out = torch.empty(s_q, h, d_v, dtype=compute_dtype, device=dev)
     max_logits = torch.empty(s_q, h, dtype=torch.float32, device=dev)
@@ -116,21 +129,25 @@ def sparse_prefill_reference(
     for a in range(0, s_q, chunk):
         b = min(s_q, a + chunk)
         ok = valid[a:b]  # [c, topk]
-        rows = kvc[torch.where(ok, indices[a:b], 0).long()]  # [c, topk, d_qk]
-        p = torch.einsum("chd,ckd->chk", q[a:b].to(compute_dtype), rows) * scale2
+        # an ignored entry gathers a zero row: nothing of a row no query selected (inf, NaN) reaches a sum
+        rows = (kvc[torch.where(ok, indices[a:b], 0).long()] if s_kv else
+                kvc.new_zeros(b - a, ok.shape[1], d_qk)).masked_fill(~ok[..., None], 0.0)  # [c, topk, d_qk]
+        p = torch.einsum("chd,ckd->chk", q[a:b].to(compute_dtype), rows) * scale
         p = p.masked_fill(~ok[:, None, :], float("-inf"))
-        m = p.amax(dim=-1)  # [c, h]
-        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        s = torch.exp2(p - m_safe[..., None]).sum(-1)
-        l2 = m_safe + torch.log2(s)  # -inf for empty rows
-        w = torch.exp2(p - torch.where(torch.isinf(l2), torch.zeros_like(l2), l2)[..., None])
-        o = torch.einsum("chk,ckd->chd", w, rows[..., :d_v])
-        empty = torch.isinf(l2)
+        m = p.amax(dim=-1)  # [c, h]; NaN where a valid logit is NaN
+        # no weight anywhere: no valid index (the mask), or every valid logit -inf (exp gives 0 everywhere);
+        # any other row keeps IEEE arithmetic (a +inf logit: inf - inf = NaN, as in the kernels)
+        empty = m == float("-inf")
+        m_safe = m.masked_fill(empty, 0.0)
+        s = torch.exp(p - m_safe[..., None]).sum(-1)
+        l_e = m_safe + torch.log(s)
+        w = torch.exp(p - l_e.masked_fill(empty, 0.0)[..., None])
+        o = torch.einsum("chk,ckd->chd", w, rows[..., :d_v])  # IEEE: 0 * inf = NaN
         o = o.masked_fill(empty[..., None], 0.0)
-        l2 = l2.masked_fill(empty, float("inf"))
+        l_e = l_e.masked_fill(empty, float("inf"))
         if attn_sink is not None:
-            o = apply_attn_sink(o, l2, attn_sink.to(dev))
+            o = apply_attn_sink(o, l_e, attn_sink.to(dev))
         out[a:b] = o
         max_logits[a:b] = m.float()
-        lse[a:b] = l2.float()
+        lse[a:b] = l_e.float()
     return out, max_logits, lse

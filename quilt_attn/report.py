@@ -35,12 +35,13 @@ def kept_indices(pl, indices: torch.Tensor, s_kv: int) -> torch.Tensor:
     s_q, G = indices.shape[0], pl.group_size
     covered = torch.zeros(s_q, s_kv, dtype=torch.bool)
     used = torch.arange(pl.capacity)[None, :] < pl.group_tiles[:, None]  # [n_groups, cap]
+    tile_kv, tile_mask = pl.columns()  # (packed or wide plans alike)
     for k in range(G):
-        owns = used[:, :, None] & (pl.tile_kv >= 0) & (((pl.tile_mask >> k) & 1) == 1)
+        owns = used[:, :, None] & (tile_kv >= 0) & (((tile_mask >> k) & 1) == 1)
         g, t, c = torch.nonzero(owns, as_tuple=True)
         q = g * G + k
         ok = q < s_q
-        covered[q[ok], pl.tile_kv[g, t, c][ok].long()] = True
+        covered[q[ok], tile_kv[g, t, c][ok].long()] = True
     qi, j = torch.nonzero(pl.priv_idx >= 0, as_tuple=True)
     covered[qi, pl.priv_idx[qi, j].long()] = True
     valid = (indices >= 0) & (indices < s_kv)
@@ -77,8 +78,8 @@ def clip_accuracy(workloads=("glm53-like", "ds32-like"), thresholds=(0.25, 0.5, 
             pl = plan(idx, s_kv=s_kv, merge_level=qp, split_private=True, importance_clip=True, clip_threshold=tau)
             kept = kept_indices(pl, idx, s_kv)
             out, _, lse = sparse_prefill_reference(q, kv, kept, scale, chunk=8)
-            # probability mass of the dropped pairs under the full softmax: 1 - 2^(lse_kept - lse_full)
-            mass = (1 - torch.exp2(lse.double() - full_lse.double())).clamp_min(0)
+            # probability mass of the dropped pairs under the full softmax: 1 - exp(lse_kept - lse_full)
+            mass = (1 - torch.exp(lse.double() - full_lse.double())).clamp_min(0)
             err = float((out - full_out).norm() / full_out.norm())
             cos = torch.nn.functional.cosine_similarity(out.flatten(1), full_out.flatten(1), dim=1)
             st = pl.stats

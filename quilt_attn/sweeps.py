@@ -218,8 +218,10 @@ def context_md(rows: list[dict], png=None) -> list[str]:
 def plan_point(indices: torch.Tensor, *, s_kv: int, h: int, group_size: int, clip_threshold: float) -> dict:
     """Plan statistics of one sweep point, planned as ``bench.run_case`` plans it (tile 64, private
     rows split off, merge level = the queries a program holds, ``program_shape(h, G)``, always <= G),
-    and whether ``sparse_prefill``'s default ``fallback=True`` would run query-parallel instead."""
-    from .ops.sparse_attention import program_shape, quilt_pays_off
+    and whether the measured tile-cost rule (``sparse_prefill(fallback="cost")``, ``dispatch.quilt_pays_off``)
+    would run query-parallel instead."""
+    from .dispatch import quilt_pays_off
+    from .ops.sparse_attention import program_shape
     from .planner import plan
 
     merge = program_shape(h, group_size)[0]
@@ -239,7 +241,7 @@ def sweep_rows(group_sizes=SWEEP_GROUP_SIZES, thresholds=SWEEP_THRESHOLDS, *, wo
     """QUILT over group size x tile-aware clipping threshold on one input set (plus one query-parallel row).
 
     Every point is timed with ``fallback=False`` (``"timed": "quilt kernels"``), so the QUILT kernels
-    run even where ``sparse_prefill`` would fall back (``plan["would_fall_back"]`` says where).
+    run even where the tile-cost rule would fall back (``plan["would_fall_back"]`` says where).
     ``plan`` holds the plan statistics of ``plan_point``, computed before the timing, so a failing
     timing still leaves them (its row then carries ``error``). Rows: ``group_size``,
     ``clip_threshold``, ``ms``, ``plan_ms``, ``kv_tiles``, ``tile_utilization``, ``rows_processed``,
@@ -442,7 +444,7 @@ def cuda_breakdown_rows(cases, *, s_q: int = 16384, s_kv: int = 65536, topk: int
                 cuda_backend.use_library(path)
                 out.fill_(float("nan"))
                 cuda_backend.launch(q, kv, scale, out, ml, lse, **kw)
-                chk = bench.check(inp, out, ml, lse, n_check=check_rows)
+                chk = bench.check(inp, out, ml, lse, n_check=check_rows, base2=True)  # a raw launch: base 2
                 for v in variants:
                     skip, what = CUDA_BREAKDOWN_VARIANTS[v]
                     ms = bench.time_ms(lambda: cuda_backend.launch(q, kv, scale, out, ml, lse, _skip=skip, **kw),

@@ -11,7 +11,7 @@ import torch
 
 from conftest import KERNEL_DEVICE, make_inputs, randn, random_indices
 from quilt_attn import plan as make_plan
-from quilt_attn import quantize_fp8, sparse_prefill
+from quilt_attn import quantize_fp8, sparse_prefill, sparse_prefill_reference
 from quilt_attn.compat import flash_mla_sparse_fwd
 
 KERNEL_METHODS = ("quilt", "query_parallel")
@@ -103,10 +103,28 @@ def test_d_v():
         call(q, kv, idx, d_v=0)
     with pytest.raises(ValueError, match="d_v must be an int"):
         call(q, kv, idx, d_v=96)
-    with pytest.raises(ValueError, match="d_v must be an int"):
-        call(q, kv, idx, d_v=64.0)
+    for method in ("quilt", "reference"):
+        with pytest.raises(TypeError, match="d_v must be an int in .* got float 64.0"):
+            call(q, kv, idx, d_v=64.0, method=method)
+        with pytest.raises(TypeError, match="d_v must be an int"):
+            call(q, kv, idx, d_v=True, method=method)
+    with pytest.raises(TypeError, match="d_v must be an int"):
+        sparse_prefill_reference(q, kv, idx, d_v=16.0)
     with pytest.raises(ValueError, match="the kernels need d_v and d_qk - d_v to be powers of two >= 16"):
         call(q, kv, idx, d_v=48)
+
+
+@pytest.mark.parametrize("method", ("quilt", "query_parallel", "reference"))
+def test_sm_scale(method):
+    q, kv, idx = small()
+    for bad in ("abc", torch.tensor([0.1, 0.2]), torch.tensor(0.1), True, [0.1]):
+        with pytest.raises(TypeError, match="sm_scale must be a real number"):
+            call(q, kv, idx, sm_scale=bad, method=method)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sm_scale must be finite"):
+            call(q, kv, idx, sm_scale=bad, method=method)
+    with pytest.raises(TypeError, match="sm_scale must be a real number"):
+        sparse_prefill_reference(q, kv, idx, "abc", d_v=64)
 
 
 def test_q_last_dim_not_contiguous():
@@ -174,7 +192,7 @@ def test_fp8_cache_needs_576_and_512():
     q576 = randn(8, 2, 576, seed=7)
     with pytest.raises(ValueError, match="the FP8 kv cache needs d_qk = 576 and d_v = 512, got d_qk = 576, d_v = 256"):
         call(q576, cache, idx, d_v=256)
-    with pytest.raises(ValueError, match=r"kv \(FP8 cache\) must be \[s_kv, 656\] or \[s_kv, 1, 656\]"):
+    with pytest.raises(ValueError, match=r"kv must be uint8 \[s_kv, 656\] \(or \[s_kv, 1, 656\]\) to be the FP8 cache"):
         call(q576, cache.view(16, 2, 656), idx, d_v=512)
 
 

@@ -46,7 +46,7 @@ def test_plans_equal_compares_every_tensor_field():
     a = make_plan(idx, s_kv=512, merge_level=8, backend="torch")
     assert plans_equal(a, make_plan(idx, s_kv=512, merge_level=8, backend="torch"))
     b = make_plan(idx, s_kv=512, merge_level=8, backend="torch")
-    b.tile_mask[0, 0, 0] += 1
+    b.tile_kv[0, 0, 0] += 1
     assert not plans_equal(a, b)
     split = make_plan(idx, s_kv=512, merge_level=8, split_private=True, backend="torch")
     assert a.priv_idx is None and split.priv_idx is not None and not plans_equal(a, split)

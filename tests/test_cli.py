@@ -272,6 +272,45 @@ def test_bad_values_exit_2_with_message(argv, needle, capsys):
     assert needle in err and "error" in err
 
 
+def test_bad_files_and_folders_exit_2_in_one_line(tmp_path, capsys):
+    """A corrupt index file, an output folder that is a file, a workload without an indexer model:
+    exit 2 and one line on stderr, never a traceback."""
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(bytes(range(256)))
+    assert main(["plan", "--indices", str(corrupt), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--indices" in err and "corrupt.pt" in err and "Traceback" not in err and err.count("\n") == 1
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    assert main(["report", "--out-dir", str(a_file), "-q", "--skip", "clip,overlap"]) == 2
+    err = capsys.readouterr().err
+    assert "--out-dir" in err and "not a folder" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--out-dir", str(tmp_path / "r"), "--clip-workloads", "random"])
+    assert exc.value.code == 2 and "--clip-workloads" in capsys.readouterr().err
+
+
+def test_main_turns_value_errors_into_exit_2(monkeypatch, capsys):
+    """The one handler in main: a ValueError / TypeError / OSError a command meets is one line and exit 2."""
+    build, raised = cli.build_parser, []
+
+    def boom(args, log):
+        raise raised[-1]
+
+    def parser_with_boom():
+        p = build()
+        for action in p._subparsers._group_actions:
+            action.choices["plan"].set_defaults(func=boom)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", parser_with_boom)
+    for err in (ValueError("bad\nvalue"), TypeError("bad type"), FileExistsError(17, "File exists", "/x")):
+        raised.append(err)
+        assert main(["plan", "-q"]) == 2
+        out = capsys.readouterr().err
+        assert out.startswith("quilt-attn plan: error: ") and out.count("\n") == 1, out
+
+
 # ---------------------------------------------------------------------------------- report
 
 TINY_REPORT = ["--overlap-s-q", "64", "--overlap-s-kv", "1024", "--overlap-topk", "64", "--clip-s-q", "16",

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import randn
-from quilt_attn import kv_cache
+from quilt_attn import kv_cache, sparse_prefill, sparse_prefill_reference
 from quilt_attn.kv_cache import FP8_BYTES, FP8_REL_ERR, dequantize_fp8, is_fp8_cache, quantize_fp8
 
 
@@ -199,3 +199,47 @@ def test_expand_fp8_equals_dequantize(dtype, monkeypatch):
         expand_fp8(torch.zeros(3, 576, dtype=torch.uint8))
     with pytest.raises(TypeError, match="dtype must be bfloat16 or float16"):
         expand_fp8(quantize_fp8(randn(2, 576, seed=1, dtype=torch.bfloat16)), torch.float32)
+
+
+def test_quantize_non_finite_values_stay_in_their_element():
+    """One inf / NaN no longer turns its whole 128-value group into NaN: the group scale comes from the finite
+    values, NaN stays NaN in its own element, +-inf saturates to +-448 * scale (e4m3fn has no infinity)."""
+    kv = torch.randn(3, 576, generator=torch.Generator().manual_seed(7))
+    kv[0, 5] = kv[1, 130] = kv[2, 300] = kv[2, 520] = 0.0  # (so the clean row's group maxima are the same)
+    bad = kv.clone()
+    bad[0, 5] = float("inf")
+    bad[1, 130] = float("nan")
+    bad[2, 300] = float("-inf")
+    bad[2, 520] = float("nan")  # a rope value: kept as bf16 NaN
+    back = dequantize_fp8(quantize_fp8(bad), torch.float32)
+    want = dequantize_fp8(quantize_fp8(kv), torch.float32)
+    special = torch.zeros_like(bad, dtype=torch.bool)
+    special[0, 5] = special[1, 130] = special[2, 300] = special[2, 520] = True
+    assert torch.isnan(back).nonzero().tolist() == [[1, 130], [2, 520]]
+    scale = quantize_fp8(bad)[:, 512:528].contiguous().view(torch.float32)  # [3, 4]
+    assert back[0, 5] == 448 * scale[0, 0] and back[2, 300] == -448 * scale[2, 2]
+    # every other element is exactly what the clean row gives (same scales: from the finite values)
+    assert torch.equal(scale, scales_of(quantize_fp8(kv)))
+    assert torch.equal(back[~special], want[~special])
+    all_inf = torch.full((1, 576), float("inf"))
+    got = dequantize_fp8(quantize_fp8(all_inf), torch.float32)
+    assert (got[0, :512] == 448).all()  # no finite value: scale 1
+
+
+def test_fp8_cache_layout_is_checked_in_one_place():
+    """A 1-D ``[656]`` buffer (it read as 656 rows) or ``[s_kv, 2, 656]``: ValueError naming the argument."""
+    from quilt_attn.kv_cache import canonical_fp8_cache
+
+    cache = quantize_fp8(torch.randn(4, 576))
+    assert canonical_fp8_cache(cache[:, None, :]).shape == (4, 656)
+    q = torch.randn(2, 1, 576)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    for bad in (cache[0], cache.view(2, 2, 656)):
+        with pytest.raises(ValueError, match=r"kv must be uint8 \[s_kv, 656\]"):
+            canonical_fp8_cache(bad)
+        with pytest.raises(ValueError, match=r"kv must be uint8 \[s_kv, 656\]"):
+            sparse_prefill_reference(q, bad, idx)
+        with pytest.raises(ValueError, match=r"kv must be uint8 \[s_kv, 656\]"):
+            sparse_prefill(q.half(), bad, idx, method="query_parallel")
+        with pytest.raises(ValueError, match=r"cache must be uint8 \[s_kv, 656\]"):
+            dequantize_fp8(bad)

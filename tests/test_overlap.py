@@ -186,7 +186,7 @@ def test_single_query_has_nan_pairwise():
         ({"group_sizes": (32,)}, ValueError, "group_size"),
         ({"group_sizes": 4}, TypeError, "group_sizes"),
         ({"group_sizes": ()}, ValueError, "group_sizes"),
-        ({"cascade_group": 6}, ValueError, "group_size"),
+        ({"cascade_group": 6}, ValueError, "cascade_group must be a power of two"),
         ({"s_kv": 0}, ValueError, "s_kv"),
         ({"s_kv": 2.5}, ValueError, "s_kv"),
     ],

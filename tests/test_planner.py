@@ -17,8 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quilt_attn.planner import cascade_levels, member_masks, plan
-from quilt_attn.planner import membership as _membership
+from quilt_attn.planner import PACK_ROW_MASK, PACK_SHIFT, cascade_levels, member_masks, packs_columns, plan
 
 try:  # the shared generators, once they exist; local ones below otherwise
     from quilt_attn.workloads import generate as _generate
@@ -170,11 +169,11 @@ def model_plan(idx, *, s_kv, topk_length, G, T, tau, imp, M):
 
 def owned_pairs(p) -> list[tuple[int, int]]:
     """Sorted list of every (query, kv) pair the plan processes, with multiplicity."""
-    kv = p.tile_kv
+    kv, mask = p.columns()
     g = torch.arange(p.n_groups)[:, None, None].expand_as(kv)
     out = []
     for k in range(p.group_size):
-        hit = (kv != -1) & (((p.tile_mask >> k) & 1) == 1)
+        hit = (kv != -1) & (((mask >> k) & 1) == 1)
         q = g[hit] * p.group_size + k
         out += list(zip(q.tolist(), kv[hit].tolist()))
     return sorted(out)
@@ -188,28 +187,33 @@ def expected_pairs(idx, s_kv, topk_length, dropped=None) -> list[tuple[int, int]
 
 
 def check_structure(p):
-    """Layout invariants every plan must satisfy."""
+    """Layout invariants every plan must satisfy (on the decoded columns; the raw format checked too)."""
     n_groups, cap, T = p.tile_kv.shape
     G = p.group_size
     assert n_groups == -(-p.s_q // G)
-    assert p.tile_mask.shape == p.tile_kv.shape and p.tile_level.shape == (n_groups, cap) == p.tile_members.shape
-    for t in (p.tile_kv, p.tile_mask, p.tile_level, p.tile_members, p.group_tiles, p.dropped):
+    assert p.packed == packs_columns(p.s_kv, G) == (p.tile_mask is None)
+    tile_kv, tile_mask = p.columns()
+    if p.packed:  # padding words are -1, the others hold row | mask << 24
+        assert torch.equal(p.tile_kv == -1, tile_kv == -1)
+        assert torch.equal(torch.where(tile_kv >= 0, tile_kv | (tile_mask << PACK_SHIFT), -1), p.tile_kv)
+    assert tile_mask.shape == tile_kv.shape and p.tile_level.shape == (n_groups, cap) == p.tile_members.shape
+    for t in (tile_kv, tile_mask, p.tile_level, p.tile_members, p.group_tiles, p.dropped):
         assert t.dtype == torch.int32
     slot = torch.arange(cap)[None, :]
     used = slot < p.group_tiles[:, None]
     assert torch.equal(p.tile_level >= 0, used), "tiles 0..group_tiles-1 used, the rest tile_level -1"
-    assert (p.tile_kv[~used] == -1).all() and (p.tile_mask[~used] == 0).all() and (p.tile_members[~used] == 0).all()
-    pad = p.tile_kv == -1
-    assert (p.tile_mask[pad] == 0).all(), "padding slots carry no member bits"
-    assert (p.tile_mask[~pad] != 0).all(), "every used slot is owned by someone"
-    assert ((p.tile_mask >> G) == 0).all() and (p.tile_mask >= 0).all()
+    assert (tile_kv[~used] == -1).all() and (tile_mask[~used] == 0).all() and (p.tile_members[~used] == 0).all()
+    pad = tile_kv == -1
+    assert (tile_mask[pad] == 0).all(), "padding slots carry no member bits"
+    assert (tile_mask[~pad] != 0).all(), "every used slot is owned by someone"
+    assert ((tile_mask >> G) == 0).all() and (tile_mask >= 0).all()
     s_q_bits = torch.arange(n_groups * G).view(n_groups, G) < p.s_q  # padding queries own nothing
     for k in range(G):
-        has = (((p.tile_mask >> k) & 1) == 1).flatten(1).any(1)
+        has = (((tile_mask >> k) & 1) == 1).flatten(1).any(1)
         assert not (has & ~s_q_bits[:, k]).any()
     members = torch.zeros_like(p.tile_members)
     for k in range(G):
-        members |= (((p.tile_mask >> k) & 1).amax(2)) << k
+        members |= (((tile_mask >> k) & 1).amax(2)) << k
     assert (members & ~p.tile_members == 0).all(), "a tile's owners lie inside its tile_members block"
     assert (p.tile_members[used] != 0).all() and (members[used] != 0).all(), "no empty used tile"
     tm = p.tile_members[used].tolist()
@@ -221,7 +225,7 @@ def check_structure(p):
     assert set(p.tile_level[used].tolist()) <= ok_levels
     for L in _levels_desc(G, p.merge_level):  # a level-L slot is owned by one whole aligned block
         lt = (p.tile_level == L)[..., None] & ~pad
-        m = p.tile_mask[lt.expand_as(pad)]
+        m = tile_mask[lt.expand_as(pad)]
         for x in m.tolist():
             low = (x & -x).bit_length() - 1
             assert low % L == 0 and x == ((1 << L) - 1) << low
@@ -238,12 +242,13 @@ def check_against_model(p, idx, *, s_kv, topk_length):
     groups, dropped = model_plan(idx, s_kv=s_kv, topk_length=topk_length, G=p.group_size, T=p.tile,
                                  tau=p.clip_threshold, imp=p.importance_clip, M=p.merge_level)
     T = p.tile
+    tile_kv, tile_mask = p.columns()
     for g, segs in enumerate(groups):
         slot = 0
         for level, _bits, cols in segs:
             nt = -(-len(cols) // T)
-            kv = p.tile_kv[g, slot:slot + nt].reshape(-1).tolist()
-            mk = p.tile_mask[g, slot:slot + nt].reshape(-1).tolist()
+            kv = tile_kv[g, slot:slot + nt].reshape(-1).tolist()
+            mk = tile_mask[g, slot:slot + nt].reshape(-1).tolist()
             assert p.tile_level[g, slot:slot + nt].tolist() == [level] * nt, (g, level)
             assert kv[len(cols):] == [-1] * (nt * T - len(cols)), "padding only at the segment's end"
             got = list(zip(kv[:len(cols)], mk[:len(cols)]))
@@ -327,23 +332,25 @@ def test_plan_matches_python_model(c, imp):
 
 # ----------------------------------------------------------------------------- methods agree
 def _plans_equal(a, b):
-    """Every tensor field of the two plans is equal, and so are the stats."""
+    """Every tensor field of the two plans is equal (the same column format), so are the decoded columns
+    and the stats."""
     names = [f.name for f in dataclasses.fields(a) if isinstance(getattr(a, f.name), torch.Tensor)]
-    assert {"tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "dropped"} <= set(names)
+    assert {"tile_kv", "tile_level", "tile_members", "group_tiles", "dropped"} <= set(names)
+    assert a.packed == b.packed
     for name in names:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for x, y in zip(a.columns(), b.columns()):
+        assert torch.equal(x, y)
     assert a.stats == b.stats
 
 
 @pytest.mark.parametrize("kind", ["random", "correlated", "identical", "disjoint", *PRESETS[1:]])
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
-def test_sort_and_bitmap_agree(kind, G, monkeypatch):
+def test_sort_and_bitmap_agree(kind, G):
     s_q, topk = 45, 24
     idx, s_kv = workload(kind, s_q, 96, topk, seed=G)
     idx = add_invalid(idx, s_kv, 0.1, seed=G)
     tl = torch.randint(0, topk + 1, (s_q,), generator=torch.Generator().manual_seed(G), dtype=torch.int32)
-    # a tiny bitmap budget forces the chunked path (a few groups a chunk, last chunk partial)
-    monkeypatch.setitem(_membership._BITMAP_BUDGET_BYTES, "cpu", 4 * s_kv * 2)
     for topk_length in (None, tl):
         ms, vs = member_masks(idx, G, s_kv=s_kv, topk_length=topk_length, method="sort")
         mb, vb = member_masks(idx, G, s_kv=s_kv, topk_length=topk_length, method="bitmap")
@@ -394,8 +401,9 @@ def test_table1(method, G, rows):
     assert owned_pairs(p) == expected_pairs(TABLE1, 8, None)
     if G == 4:  # {A,B} shared by all four, C and D by the pairs, E F G H private
         assert p.stats["tiles_per_level"] == {4: 2, 2: 2, 1: 4}
-        assert p.tile_kv[0, :8, 0].tolist() == [A, B, C, D, E, F, Gr, H]
-        assert p.tile_mask[0, :8, 0].tolist() == [15, 15, 3, 12, 1, 2, 4, 8]
+        kv, mask = p.columns()
+        assert kv[0, :8, 0].tolist() == [A, B, C, D, E, F, Gr, H]
+        assert mask[0, :8, 0].tolist() == [15, 15, 3, 12, 1, 2, 4, 8]
 
 
 # ----------------------------------------------------------------------------- clipping
@@ -432,12 +440,12 @@ def test_clip_threshold_one_fills_shared_tiles(kind, G, M, T):
     p = plan(idx, s_kv=s_kv, group_size=G, tile=T, clip_threshold=1.0, merge_level=M)
     check_structure(p)
     shared = p.tile_level >= 2
-    assert (p.tile_kv[shared] != -1).all(), "every tile at a level >= 2 is full"
+    assert (p.columns()[0][shared] != -1).all(), "every tile at a level >= 2 is full"
     assert owned_pairs(p) == expected_pairs(idx, s_kv, None)
     if kind == "identical" and M == 1:  # every row shared by the whole group: the partial tail cascades to level 1
         full = s_q // G
         per_group = (topk // T) * T + G * (topk % T)
-        assert int((p.tile_kv[:full] != -1).sum()) == full * per_group
+        assert int((p.columns()[0][:full] != -1).sum()) == full * per_group
 
 
 @pytest.mark.parametrize("tau", TAUS)
@@ -458,10 +466,11 @@ def _owned_by_level(p):
     """{query: {kv: level}} from the plan's tiles."""
     out = {}
     G = p.group_size
+    tile_kv, tile_mask = p.columns()
     for g in range(p.n_groups):
         for s in range(int(p.group_tiles[g])):
             lvl = int(p.tile_level[g, s])
-            for kv, m in zip(p.tile_kv[g, s].tolist(), p.tile_mask[g, s].tolist()):
+            for kv, m in zip(tile_kv[g, s].tolist(), tile_mask[g, s].tolist()):
                 for k in range(G):
                     if kv != -1 and (m >> k) & 1:
                         out.setdefault(g * G + k, {})[kv] = lvl
@@ -496,7 +505,7 @@ def test_importance_clip(c):
     assert p.stats["dropped_pairs"] == int(p.dropped.sum()) == sum(map(len, dropped_sets))
     assert p.stats["rows_processed"] == base.stats["rows_processed"] - p.stats["dropped_pairs"]
     if c["tau"] == 1.0:  # every private tile is full
-        assert (p.tile_kv[p.tile_level == 1] != -1).all()
+        assert (p.columns()[0][p.tile_level == 1] != -1).all()
 
 
 def test_importance_clip_needs_merge_level_one():
@@ -516,6 +525,7 @@ def test_work_list(G, M, kind):
     idx = add_invalid(idx, s_kv, 0.05, seed=1)
     p = plan(idx, s_kv=s_kv, group_size=G, tile=4, merge_level=M)
     cap = p.capacity
+    tile_kv, tile_mask = p.columns()
     qps = [1 << i for i in range(int(math.log2(G)) + 2)]  # up to 2G (clamped to G)
     for qp in qps:
         tiles, ntiles = p.work_list(qp)
@@ -537,7 +547,7 @@ def test_work_list(G, M, kind):
             for tid in tiles[prog, :int(ntiles[prog])].tolist():
                 gg, slot = divmod(tid, cap)
                 assert gg == g
-                for kv, m in zip(p.tile_kv[g, slot].tolist(), p.tile_mask[g, slot].tolist()):
+                for kv, m in zip(tile_kv[g, slot].tolist(), tile_mask[g, slot].tolist()):
                     for k in range(s * q, (s + 1) * q):
                         if kv != -1 and (m >> k) & 1:
                             reach.add((g * G + k, kv))
@@ -654,8 +664,6 @@ def test_rows_beyond_s_kv_ignored_without_s_kv_bound(method):
     assert p.stats["rows_processed"] == 4  # 7 and 1000 shared by the pair
 
 
-@pytest.mark.xfail(strict=False, reason="the planner assumes duplicate-free rows: a kv row listed twice by one "
-                   "query is emitted twice with the whole block's mask, so its block partners own it twice")
 def test_duplicate_entries_owned_as_often_as_selected():
     idx = torch.tensor([[5, 5], [5, 7]], dtype=torch.int32)
     p = plan(idx, s_kv=8, group_size=2, tile=1)
@@ -742,7 +750,8 @@ def _poison_cuda_plan_buffers(monkeypatch):
     def poisoned(*args, **kw):
         buf = cuda_plan_buffers(*args, **kw)
         for name in ("tile_kv", "tile_mask", "tile_level", "tile_members"):
-            buf[name].fill_(0x5EADBEEF)
+            if buf[name] is not None:  # (tile_mask None: packed columns)
+                buf[name].fill_(0x5EADBEEF)
         return buf
 
     cuda_plan_buffers = cuda_plan.plan_buffers
@@ -781,12 +790,10 @@ def test_cuda_planner_scope_and_auto():
     with pytest.raises(ValueError, match="16384 entries a group"):
         plan(big, s_kv=4096, group_size=8, backend="cuda")
     _plans_equal(plan(idx, s_kv=4096, group_size=16), plan(idx, s_kv=4096, group_size=16, backend="triton"))
-    with pytest.raises(ValueError, match="a byte a kv row"):  # the member table is a byte a kv row
-        plan(idx, s_kv=250_000, backend="cuda")
-    with pytest.raises(ValueError, match="contexts up to 262144 rows"):
-        plan(idx, s_kv=400_000, backend="cuda")
-    _plans_equal(plan(idx, s_kv=400_000), plan(idx, s_kv=400_000, backend="triton"))
-    _plans_equal(plan(idx, s_kv=150_000, backend="cuda"), plan(idx, s_kv=150_000, backend="triton"))
+    for s_kv in (250_000, 400_000, 1 << 24, 2**31 - 1):  # the membership table is sized by entries, not s_kv
+        _plans_equal(plan(idx, s_kv=s_kv, backend="cuda"), plan(idx, s_kv=s_kv, backend="triton"))
+        assert plan(idx, s_kv=s_kv).packed == (s_kv <= PACK_ROW_MASK)
+    _plans_equal(plan(idx, backend="cuda"), plan(idx, backend="torch"))  # no s_kv: only negatives invalid
     _plans_equal(plan(idx, s_kv=4096), plan(idx, s_kv=4096, backend="cuda"))
 
 

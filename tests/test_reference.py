@@ -2,8 +2,10 @@
 
 The oracle here builds the full ``[s_q, h, s_kv]`` logits matrix in float64, masks every query to
 the set of kv rows its index list selects (built with Python loops from the raw indices, the
-``topk_length`` prefix and the ``[0, s_kv)`` range), and applies a natural-log softmax; base-2
-``max_logits`` / ``lse`` and the sink factor are derived from that. Index lists are duplicate-free
+``topk_length`` prefix and the ``[0, s_kv)`` range), and applies a natural-log softmax: the definitions
+FlashMLA documents, ``max_logits = max(q.k * sm_scale)`` and ``lse = logsumexp(q.k * sm_scale)`` over the
+valid rows (natural log), empty rows ``-inf`` / ``+inf``, and the sink factor
+``exp(lse) / (exp(lse) + exp(attn_sink))`` (infinite sinks as numbers). Index lists are duplicate-free
 (Top-K lists never repeat a row), so a set mask is the same as summing over the list.
 """
 from __future__ import annotations
@@ -16,12 +18,11 @@ import torch
 from conftest import randn, random_indices
 from quilt_attn import dequantize_fp8, quantize_fp8, sparse_prefill, sparse_prefill_reference
 
-LN2 = math.log(2.0)
 INT32_MAX = 2**31 - 1
 
 
 def dense_oracle(q, kv, indices, sm_scale=None, *, d_v, attn_sink=None, topk_length=None):
-    """Dense masked softmax attention in float64 (natural-log math, converted to base 2 at the end)."""
+    """Dense masked softmax attention in float64, FlashMLA's natural-log statistics."""
     if kv.dim() == 3:
         kv = kv[:, 0]
     if indices.dim() == 3:
@@ -43,8 +44,8 @@ def dense_oracle(q, kv, indices, sm_scale=None, *, d_v, attn_sink=None, topk_len
     w = torch.exp(logits - torch.where(empty[:, None], 0.0, lse_e)[..., None])
     w = torch.where(empty[:, None, None], 0.0, w)
     out = torch.einsum("qhk,kd->qhd", w, kv.double().cpu()[:, :d_v])
-    max_logits = logits.amax(dim=-1) / LN2
-    lse = torch.where(empty[:, None], float("inf"), lse_e / LN2)
+    max_logits = logits.amax(dim=-1)  # -inf on empty rows
+    lse = torch.where(empty[:, None], float("inf"), lse_e)
     if attn_sink is not None:
         sink = attn_sink.double().cpu()[None, :]
         fac = torch.exp(lse_e) / (torch.exp(lse_e) + torch.exp(sink))  # 0/0 only when both are 0
@@ -192,8 +193,8 @@ def test_attn_sink_finite_and_infinite():
     assert (out[:, 4] == 0).all()
     assert (out[2] == 0).all()
     # finite sink: out scaled by exp(lse_e) / (exp(lse_e) + exp(sink))
-    lse_e = base_lse[:, 1].double() * LN2
-    fac = 1.0 / (1.0 + torch.exp(2.5 - lse_e))
+    lse_e = base_lse[:, 1].double()  # natural log
+    fac = torch.exp(lse_e) / (torch.exp(lse_e) + math.exp(2.5))
     ok = torch.arange(7) != 2
     torch.testing.assert_close(out[ok, 1], base_out[ok, 1] * fac[ok, None], atol=1e-6, rtol=1e-6)
 
@@ -250,3 +251,59 @@ def test_api_reference_method():
     r_out, r_ml, r_lse = sparse_prefill_reference(q, kv, idx, d_v=64)
     assert out.dtype == torch.float16
     assert torch.equal(out, r_out.to(torch.float16)) and torch.equal(ml, r_ml) and torch.equal(lse, r_lse)
+
+
+# ----------------------------------------------------------------------------- non-finite values
+def test_kv_without_rows():
+    """``s_kv = 0``: the validity mask is all false, every row is empty (it raised IndexError)."""
+    q, kv, idx = inputs(4, 2, 8, 5, seed=300)
+    for cache in (kv[:0], kv[:0, None, :]):
+        out, ml, lse = sparse_prefill_reference(q, cache, idx, d_v=64)
+        assert out.shape == (4, 2, 64) and (out == 0).all()
+        assert torch.isneginf(ml).all() and torch.isposinf(lse).all()
+    fp8 = quantize_fp8(randn(3, 576, seed=301))[:0]
+    out, ml, lse = sparse_prefill_reference(randn(4, 2, 576, seed=302, dtype=torch.float32), fp8, idx)
+    assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+def test_non_finite_logits_follow_ieee():
+    """A +inf logit is NaN (inf - inf), not "no valid index"; a row whose valid logits are all -inf carries no
+    weight (empty); a -inf logit among finite ones weighs 0; a NaN in a selected row is NaN; a non-finite value
+    in a row no query selects, or in an ignored entry, reaches nothing."""
+    s_q, h, s_kv, topk = 6, 2, 20, 4
+    q, kv, idx = inputs(s_q, h, s_kv, topk, seed=310, dtype=torch.float64)
+    idx[:, :] = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -1, -1], [10, 11, 12, 13], [14, 15, 1, 2],
+                              [3, 4, 5, 6]], dtype=torch.int32)  # rows 16..19: selected by nobody
+    clean = sparse_prefill_reference(q, kv, idx, d_v=64)
+    # query 0, head 0: one +inf logit (only column 70 of q is nonzero, kv[0..3, 70] > 0)
+    q[0, 0, :] = 0.0
+    q[0, 0, 70] = float("inf")
+    kv[0:4, 70] = torch.tensor([0.5, 1.0, 0.25, 0.125], dtype=torch.float64)
+    # query 1, head 1: every valid logit -inf: no weight, an empty row
+    q[1, 1, :] = 0.0
+    q[1, 1, 71] = float("-inf")
+    kv[4:8, 71] = 1.0
+    # row 6 gets a -inf rope value: a -inf logit (weight 0) for the queries whose q is positive there
+    kv[6, 75] = float("-inf")
+    q[[1, 5], :, 75] = 1.0
+    # query 3: row 10 holds a NaN: a NaN logit, NaN everything for query 3
+    kv[10, 3] = float("nan")
+    # rows nobody selects
+    kv[17, :] = float("nan")
+    kv[18, 3] = float("inf")
+    out, ml, lse = sparse_prefill_reference(q, kv, idx, d_v=64)
+    assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]) and torch.isposinf(ml[0, 0])
+    assert torch.isfinite(out[0, 1]).all() and torch.isfinite(lse[0, 1])
+    assert (out[1, 1] == 0).all() and torch.isneginf(ml[1, 1]) and torch.isposinf(lse[1, 1])
+    assert torch.isnan(out[3]).all() and torch.isnan(lse[3]).all() and torch.isnan(ml[3]).all()
+    torch.testing.assert_close(out[2], clean[0][2], atol=1e-12, rtol=1e-12)  # its rows untouched
+    assert torch.isfinite(out[4]).all() and torch.isfinite(lse[4]).all()
+    # query 5: row 6 weighs 0 (its values are finite): the softmax over rows 3, 4, 5
+    without6 = sparse_prefill_reference(q, kv, idx, d_v=64, topk_length=torch.full((s_q,), 3, dtype=torch.int32))
+    torch.testing.assert_close(out[5], without6[0][5], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse[5], without6[2][5])
+    # an ignored entry (past topk_length, or -1) pointing at a non-finite row changes nothing
+    idx2 = idx.clone()
+    idx2[5, 3] = 10
+    a = sparse_prefill_reference(q, kv, idx2, d_v=64, topk_length=torch.tensor([4, 4, 4, 4, 4, 3]))
+    assert torch.equal(a[0][5], without6[0][5])

@@ -73,7 +73,8 @@ def owned_pairs(p, s_q: int, s_kv: int) -> torch.Tensor:
             rows = pi[i, : int(pn[i])]
             assert (rows >= 0).all(), "a private list holds padding inside its count"
             count[i].index_put_((rows,), torch.ones(rows.numel(), dtype=torch.int64), accumulate=True)
-    tk, tm, gt = p.tile_kv.cpu(), p.tile_mask.cpu(), p.group_tiles.cpu()
+    tk, tm = (c.cpu() for c in p.columns())
+    gt = p.group_tiles.cpu()
     for g in range(p.n_groups):
         kvs = tk[g, : int(gt[g])].reshape(-1).long()
         bits = tm[g, : int(gt[g])].reshape(-1).long()
@@ -195,6 +196,52 @@ def test_attn_sink(method):
     no_sink = run(q, kv, idx, method, group_size=4)
     assert torch.equal(got[0][:, 1], no_sink[0][:, 1])  # -inf: no effect
     assert torch.equal(got[1], no_sink[1]) and torch.equal(got[2], no_sink[2])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("entry", ["quilt", "query_parallel", "compat", "pipelined"])
+def test_stats_are_flashmla_natural_log(entry):
+    """Every public entry returns FlashMLA's statistics, checked against their definitions computed here
+    (not through the reference): ``max_logits = max(q.k * sm_scale)`` and ``lse = logsumexp(q.k * sm_scale)``
+    over the valid rows, natural log; a row without a valid index ``out = 0``, -inf, +inf; ``attn_sink``
+    scales out by ``exp(lse) / (exp(lse) + exp(sink))`` for a finite, a +inf and a -inf sink and leaves
+    max_logits / lse alone."""
+    from quilt_attn import sparse_prefill_pipelined
+
+    s_q, s_kv, topk, h, scale = 16, 96, 40, 4, 0.11
+    q, kv, idx = make_inputs(s_q, h, s_kv=s_kv, topk=topk, seed=150)
+    idx[3] = -1  # empty
+    idx[6, :10] = -1
+    idx[9, 2] = s_kv + 4
+    sink = torch.tensor([0.7, float("inf"), float("-inf"), -1.5], device=q.device)
+
+    def call(attn_sink):
+        if entry == "compat":
+            return flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], scale, d_v=DV, attn_sink=attn_sink)
+        if entry == "pipelined":
+            return sparse_prefill_pipelined(q, kv, idx, scale, chunk=8, d_v=DV, tile=16, attn_sink=attn_sink)
+        return run(q, kv, idx, entry, scale, attn_sink=attn_sink)
+
+    i = idx.cpu().long()
+    valid = (i >= 0) & (i < s_kv)
+    rows = kv.double().cpu()[i.clamp(0, s_kv - 1)]  # [s_q, topk, d_qk]
+    logits = torch.einsum("qhd,qkd->qhk", q.double().cpu(), rows) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    empty = ~valid.any(1)
+    want_ml = logits.amax(-1)
+    want_lse = torch.logsumexp(logits, -1).masked_fill(empty[:, None], float("inf"))
+    w = torch.exp(logits - want_lse.masked_fill(empty[:, None], 0.0)[..., None])
+    want_out = torch.einsum("qhk,qkd->qhd", w, rows[..., :DV])
+    fac = torch.exp(want_lse) / (torch.exp(want_lse) + torch.exp(sink.double().cpu())[None, :])
+    want_sunk = torch.where(empty[:, None, None], 0.0, want_out * fac[..., None])
+    assert torch.isneginf(want_ml[3]).all() and torch.isposinf(want_lse[3]).all() and (want_sunk[3] == 0).all()
+
+    plain, sunk = call(None), call(sink)
+    assert_matches_reference(plain, (want_out, want_ml.float(), want_lse.float()), F16, what=f"{entry} no sink")
+    assert_matches_reference(sunk, (want_sunk, want_ml.float(), want_lse.float()), F16, what=f"{entry} sink")
+    assert (sunk[0][:, 1] == 0).all()  # +inf sink
+    assert torch.equal(sunk[0][:, 2], plain[0][:, 2])  # -inf sink
+    assert torch.equal(sunk[1], plain[1]) and torch.equal(sunk[2], plain[2])
 
 
 @pytest.mark.interpret
@@ -375,9 +422,9 @@ def test_importance_clip_cpu(split, record_property):
     inside = run(q, kv, idx, "quilt", scale, group_size=G, importance_clip=True, clip_threshold=0.5, **extra)
     for a, b in zip(inside, got):
         assert torch.equal(a, b)
-    # dropped attention mass: 1 - sum(kept weights) = 1 - 2**(lse_kept - lse_full)
+    # dropped attention mass: 1 - sum(kept weights) = 1 - exp(lse_kept - lse_full)
     full = ref(q, kv, idx, scale)
-    mass = 1.0 - torch.exp2(ref(q, kv, kept, scale)[2].double() - full[2].double())
+    mass = 1.0 - torch.exp(ref(q, kv, kept, scale)[2].double() - full[2].double())
     err = rel_l2(got[0], full[0])
     frac = n_dropped / int(((idx >= 0) & (idx < s_kv)).sum())
     record_property("dropped_pairs_fraction", frac)
@@ -541,7 +588,7 @@ def test_gpu_importance_clip(backend, kind, h, split, record_property):
     assert_matches_reference(got, sparse_prefill_reference(q, kv, kept, scale, d_v=512), BF16, what="kept")
     full = sparse_prefill_reference(q, kv, idx, scale, d_v=512)
     err = rel_l2(got[0], full[0])
-    mass = 1.0 - torch.exp2(sparse_prefill_reference(q, kv, kept, scale, d_v=512)[2].double() - full[2].double())
+    mass = 1.0 - torch.exp(sparse_prefill_reference(q, kv, kept, scale, d_v=512)[2].double() - full[2].double())
     frac = n_dropped / (S_Q * topk)
     record_property("dropped_pairs_fraction", frac)
     record_property("dropped_mass_mean", float(mass.mean()))
@@ -566,10 +613,10 @@ def test_gpu_errors_device():
 
 
 # =============================================================================================
-# Fallback: QUILT runs query-parallel when the plan says sharing would not pay off
+# Fallback: with fallback="cost", QUILT runs query-parallel where the plan says sharing would not pay off
 @pytest.mark.interpret
 def test_fallback_decision_and_result():
-    from quilt_attn.ops.sparse_attention import quilt_pays_off
+    from quilt_attn.dispatch import quilt_pays_off
 
     s_q, s_kv, topk, h = 16, 4096, 64, 16
     q = torch.randn(s_q, h, DV + 16, generator=gen(3)).to(F16).to(KERNEL_DEVICE)
@@ -581,14 +628,25 @@ def test_fallback_decision_and_result():
     assert quilt_pays_off(p_shared, h)  # 4 queries share every row: one 64-row tile serves them all
     assert not quilt_pays_off(p_lonely, h)  # nothing shared: 64-row tiles would be 3/4 masked
     assert not quilt_pays_off(p_shared, 64)  # one query fills a 64-row tile at 64 heads
-    # with the fallback the lonely workload runs the query-parallel kernel itself: identical bits
+    # with the measured rule the lonely workload runs the query-parallel kernel itself: identical bits
     qp = run(q, kv, lonely, "query_parallel")
-    via_quilt = run(q, kv, lonely, "quilt", plan=p_lonely)
+    via_quilt = run(q, kv, lonely, "quilt", plan=p_lonely, fallback="cost")
     for a, b in zip(via_quilt, qp):
         assert torch.equal(a, b)
-    # without it the QUILT kernels run, and still match the reference
+    # the default (decided from the settings, no host read) runs the plan, as fallback=False does; both
+    # match the reference
+    default = run(q, kv, lonely, "quilt", plan=p_lonely)
     forced = run(q, kv, lonely, "quilt", plan=p_lonely, fallback=False)
+    for a, b in zip(default, forced):
+        assert torch.equal(a, b)
     assert_matches_reference(forced, ref(q, kv, lonely), F16, what="forced QUILT on random")
+    shared_run = run(q, kv, shared, "quilt", plan=p_shared, fallback="cost")  # the rule keeps QUILT here
+    for a, b in zip(shared_run, run(q, kv, shared, "quilt", plan=p_shared, fallback=False)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="fallback='cost' reads the tile counts of a plan the caller passes"):
+        run(q, kv, lonely, "quilt", fallback="cost")
+    with pytest.raises(ValueError, match="fallback must be True, False or 'cost', got 'always'"):
+        run(q, kv, lonely, "quilt", fallback="always")
 
 
 # ----------------------------------------------------------------------------- default plan group
@@ -620,3 +678,51 @@ def test_default_plan_group_is_the_queries_a_program_holds(h, G, M, monkeypatch)
     with pytest.raises(Planned):  # an explicit group is kept
         sparse_prefill(q, kv, idx, d_v=64, tile=16, fallback=False, backend="triton", group_size=8)
     assert seen["group_size"] == 8 and seen["merge_level"] == M
+
+
+# ----------------------------------------------------------------------------- found by fuzzing
+@pytest.mark.parametrize("method", [*METHODS, "reference"])
+@pytest.mark.parametrize("kind", ["dense", "fp8"])
+def test_kv_without_rows_gives_empty_rows(method, kind, nan_poison):
+    """``s_kv = 0``: every index is invalid, every row empty (out 0, max_logits -inf, lse +inf), for every
+    method and the drop-in; nothing is launched (it used to read past an empty buffer)."""
+    d_qk, d_v = (576, 512) if kind == "fp8" else (80, DV)
+    q = randn(8, 2, d_qk, seed=200)
+    kv = quantize_fp8(randn(4, 576, seed=201))[:0] if kind == "fp8" else randn(4, d_qk, seed=201)[:0]
+    idx = random_indices(8, 4, 3, seed=202)
+    calls = [lambda: sparse_prefill(q, kv, idx, method=method, d_v=d_v, tile=16)]
+    if method == "quilt":
+        from quilt_attn import sparse_prefill_pipelined
+
+        calls.append(lambda: flash_mla_sparse_fwd(q, kv, idx[:, None], 0.1, d_v=d_v))
+        calls.append(lambda: sparse_prefill_pipelined(q, kv, idx, d_v=d_v, tile=16, chunk=8))
+    for call in calls:
+        out, ml, lse = call()
+        assert out.shape == (8, 2, d_v) and (out == 0).all()
+        assert torch.isneginf(ml).all() and torch.isposinf(lse).all()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("method", METHODS)
+def test_column_major_indices(method, nan_poison):
+    """Indices of any strides read as row-major (``canonical_indices`` makes them contiguous)."""
+    q, kv, idx = make_inputs(16, 4, s_kv=96, topk=40, seed=210)
+    cm = idx.t().contiguous().t()
+    assert torch.equal(cm, idx) and cm.stride() == (1, 16)
+    for form in (cm, cm[:, None, :]):
+        assert_matches_reference(run(q, kv, form, method, group_size=4), ref(q, kv, idx), F16, what=method)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("method", METHODS)
+def test_int64_topk_length_is_clamped_not_wrapped(method, nan_poison):
+    """int64 lengths beyond int32 keep the whole row (they wrapped: 2**32 + 5 acted as 5, 2**31 as negative);
+    negative lengths keep nothing."""
+    s_q, topk = 8, 40
+    q, kv, idx = make_inputs(s_q, 2, s_kv=96, topk=topk, seed=220)
+    big = torch.tensor([2**32 + 5, 2**31, 2**63 - 1, -1, -(2**40), 7, 0, 41], dtype=torch.int64, device=q.device)
+    same = torch.tensor([topk, topk, topk, 0, 0, 7, 0, topk], dtype=torch.int32, device=q.device)
+    want = ref(q, kv, idx, topk_length=same)
+    for a, b in zip(ref(q, kv, idx, topk_length=big), want):
+        assert torch.equal(a, b)
+    assert_matches_reference(run(q, kv, idx, method, group_size=4, topk_length=big), want, F16, what=method)

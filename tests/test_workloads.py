@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import random_indices
 from quilt_attn.overlap import overlap_profile
 from quilt_attn.workloads import (
     PRESETS,
@@ -217,6 +219,8 @@ def test_disjoint_needs_enough_context():
         (("random", 4, 64, 0), {}, ValueError, "topk"),
         (("random", 4, 64, 8), {"seed": -1}, ValueError, "seed"),
         (("random", 4, 64, 8), {"device": 3}, TypeError, "device"),
+        (("random", 4, 64, 8), {"device": "gpu"}, ValueError, "device 'gpu' is not a torch device"),
+        (("random", 4, 64, 8), {"device": "cuda:100"}, ValueError, r"device 'cuda:100' is not available"),
         (("random", 4, 64, 8), {"group": 4}, TypeError, "group"),
         (("identical", 4, 64, 8), {"group": 0}, ValueError, "group"),
         (("indexer", 4, 64, 8), {"noise": 2.0}, ValueError, "noise"),
@@ -230,6 +234,19 @@ def test_disjoint_needs_enough_context():
 def test_bad_arguments(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         generate(*args, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_cuda_device_without_gpu():
+    with pytest.raises(ValueError, match=r"device 'cuda' is not available \(0 CUDA device"):
+        generate("random", 4, 64, 8, device="cuda")
+
+
+def test_aligned_inputs_need_an_indexer_workload():
+    from quilt_attn.workloads import indexer_aligned_inputs
+
+    with pytest.raises(ValueError, match="name must be 'indexer' or a preset"):
+        indexer_aligned_inputs("random", 4, 64, 8, 2, d_qk=16, dtype=torch.float64, device="cpu")
 
 
 def test_presets_are_complete():
@@ -299,3 +316,33 @@ def test_io_errors(tmp_path):
     torch.save([1, 2], tmp_path / "l.pt")
     with pytest.raises(TypeError, match="list"):
         load_indices(tmp_path / "l.pt")
+
+
+@pytest.mark.parametrize("fmt", [".npy", ".pt", ".safetensors"])
+@pytest.mark.parametrize("damage", ["empty", "corrupt", "truncated", "cut_tail"])
+def test_load_damaged_files(tmp_path, fmt, damage):
+    """An empty, corrupt or truncated file: one ValueError naming the path and the reason, whatever the
+    reader library raises underneath (EOFError, UnpicklingError, SafetensorError, ...)."""
+    good = tmp_path / f"good{fmt}"
+    save_indices(random_indices(8, 64, 16, seed=3), good)
+    data = good.read_bytes()
+    bad = tmp_path / f"{damage}{fmt}"
+    bad.write_bytes({"empty": b"", "corrupt": bytes(range(256)) * 2, "truncated": data[: len(data) // 2],
+                     "cut_tail": data[:-10]}[damage])
+    with pytest.raises(ValueError, match=re.escape(repr(str(bad))) + " is not a readable"):
+        load_indices(bad)
+
+
+def test_load_sparse_and_unsigned(tmp_path):
+    from safetensors.torch import save_file
+
+    idx = random_indices(8, 64, 16, seed=4)
+    torch.save(idx.to_sparse(), tmp_path / "s.pt")
+    with pytest.raises(ValueError, match="s.pt' holds a torch.sparse_coo tensor"):
+        load_indices(tmp_path / "s.pt")
+    for dt in (torch.uint16, torch.uint32):  # no -1 possible, but every value fits: converted
+        save_file({"indices": idx.to(dt)}, str(tmp_path / "u.safetensors"))
+        assert torch.equal(load_indices(tmp_path / "u.safetensors"), idx)
+    save_file({"indices": torch.full((2, 2), 2**31, dtype=torch.uint32)}, str(tmp_path / "big.safetensors"))
+    with pytest.raises(ValueError, match="int32 range"):
+        load_indices(tmp_path / "big.safetensors")

@@ -24,7 +24,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 UNITS = ("quilt_sm90.cu", "quilt_plan.cu")  # translation units, linked into one library
-SOURCES = (*UNITS, "wgmma_ops.cuh")
+# what the build-cache hash covers: the units and every header beside them
+SOURCES = (*UNITS, *sorted(p.name for p in CSRC.glob("*.cuh")))
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--use_fast_math",
               "-shared", "-Xcompiler", "-fPIC")
 D_QK, D_V, TILE = 576, 512, 64
@@ -35,7 +36,7 @@ class CudaBackendError(RuntimeError):
 
 
 class _Params(ctypes.Structure):
-    # mirrors quilt_sm90::Params field by field (checked against the library's sizeof at load)
+    # mirrors quilt_sm90::Params field by field (checked against the library's layout table at load)
     _fields_ = [(n, ctypes.c_void_p) for n in ("q", "kv", "out", "max_logits", "lse", "sink", "tile_kv",
                                                 "tile_mask", "prog_tiles", "prog_ntiles", "prog_order", "indices",
                                                 "topk_length")]
@@ -47,13 +48,13 @@ class _Params(ctypes.Structure):
 
 
 class _PlanParams(ctypes.Structure):
-    # mirrors quilt_plan::PlanParams field by field (checked against the library's sizeof at load)
+    # mirrors quilt_plan::PlanParams field by field (checked against the library's layout table at load)
     _fields_ = [(n, ctypes.c_void_p) for n in ("indices", "topk_length", "tile_kv", "tile_mask", "tile_level",
                                                 "tile_members", "group_tiles", "group_rows", "group_valid", "dropped",
                                                 "priv_idx", "priv_n")]
     _fields_ += [("stride_idx", ctypes.c_longlong)]
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "topk", "n_groups", "cap", "tile", "merge", "iclip",
-                                             "split", "log_flags")]
+                                             "split", "log_flags", "nslots")]
     _fields_ += [("thr", ctypes.c_float)]
 
 
@@ -134,11 +135,31 @@ def _library():
             lib.quilt_plan_launch.argtypes = [ctypes.POINTER(_PlanParams), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                               ctypes.c_void_p]
             lib.quilt_plan_launch.restype = ctypes.c_int
-            if (lib.quilt_sm90_params_size() != ctypes.sizeof(_Params)
-                    or lib.quilt_plan_params_size() != ctypes.sizeof(_PlanParams)):
-                raise CudaBackendError("CUDA backend: parameter block layout differs between Python and the library")
+            for struct, prefix in ((_Params, "quilt_sm90"), (_PlanParams, "quilt_plan")):
+                ours = mirror_layout(struct)
+                # (a library built before the layout table: its size is all there is to check)
+                theirs = library_layout(lib, prefix) if hasattr(lib, prefix + "_params_layout") else ours
+                if getattr(lib, prefix + "_params_size")() != ctypes.sizeof(struct) or theirs != ours:
+                    raise CudaBackendError(f"CUDA backend: the {struct.__name__[1:]} block's layout differs between "
+                                           f"Python {ours} and the library {theirs}")
             _LIB = lib
     return _LIB
+
+
+def library_layout(lib, prefix: str) -> list[tuple[str, int]]:
+    """(field, byte offset) of a parameter block as the library compiled it, in declaration order;
+    ``prefix``: ``"quilt_sm90"`` (Params) or ``"quilt_plan"`` (PlanParams)."""
+    fn = getattr(lib, prefix + "_params_layout")
+    fn.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    fn.restype = ctypes.c_int
+    names, offsets = ctypes.c_char_p(), (ctypes.c_int * 128)()
+    n = fn(ctypes.byref(names), offsets, len(offsets))
+    return list(zip(names.value.decode().rstrip(",").split(","), offsets[:n]))
+
+
+def mirror_layout(struct) -> list[tuple[str, int]]:
+    """(field, byte offset) of a ctypes mirror (``_Params``, ``_PlanParams``), in declaration order."""
+    return [(name, getattr(struct, name).offset) for name, _ in struct._fields_]
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -164,73 +185,15 @@ def unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None) -
     return None
 
 
-# Time a tile, ns, aggregated over the whole grid (benchmarks/results/h200.json): a 64-row CUDA tile
-# (kernel v5b: 15.5-15.9 ns at h = 8..64 on glm53-like, 15.8-16.8 on ds32- / qasper-like, 17.1-18.7 on
-# random, whose rows come from HBM; 16.4 aggregated over the h <= 32 plan rows; v4a: 16.0-16.8 /
-# 16.6-17.4 / 18-19.5) and a Triton query-parallel tile by program rows (16.2-18.5 ns at h = 16 across
-# workloads, 20.5-21.3 at h = 32).
-CUDA_TILE_NS = 16.3
-TRITON_QP_TILE_NS = {16: 17.5, 32: 20.6}
-
-
-def cuda_pays_off(plan, h: int) -> bool:
-    """Whether running ``plan`` with the CUDA kernel beats Triton's query-parallel kernel at ``h`` heads.
-
-    With little sharing the CUDA kernel's 64-row tiles are mostly masked while Triton runs 16- or
-    32-row query programs (random indices at h = 16: 11.4 ms against 9.7). One host sync, cached in
-    the plan (built once, run many times).
-    """
-    from .sparse_attention import program_shape
-
-    key = ("cuda_pays_off", h)
-    if key not in plan._work:
-        qp, _ = program_shape(h, plan.group_size)
-        rows16 = program_shape(h, 1)[1]
-        if qp == 1 or rows16 not in TRITON_QP_TILE_NS:
-            plan._work[key] = True
-        else:
-            cuda_tiles = int(plan.work_list(qp)[1].sum())
-            qp_tiles = -(-int(plan.valid_pairs) // 64)
-            plan._work[key] = cuda_tiles * CUDA_TILE_NS < qp_tiles * TRITON_QP_TILE_NS[rows16]
-    return plan._work[key]
-
-
-def cuda_runs_quilt(plan, h: int, fallback: bool = True, auto: bool = False) -> bool:
-    """Whether the CUDA backend runs ``plan``'s tiles (else query programs; the counterpart of
-    ``sparse_attention.runs_quilt``).
-
-    Importance clipping always runs the plan (it drops pairs a query program would keep). With
-    ``fallback`` a program holding one query (h >= 64) gains nothing from a plan; chosen by
-    ``backend="auto"`` (``auto``), a plan that shares too little loses to Triton (``cuda_pays_off``).
-    """
-    from .sparse_attention import program_shape
-
-    if not fallback or plan.importance_clip:
-        return True
-    if program_shape(h, plan.group_size)[0] == 1:
-        return False
-    return not auto or cuda_pays_off(plan, h)
-
-
-def query_programs_on_triton(h: int, auto: bool) -> bool:
-    """Whether query-parallel work of the CUDA backend runs Triton's query programs instead.
-
-    Below 64 heads a CUDA query program computes a whole 64-row tile for its h rows, and Triton's 16- /
-    32-row programs are faster (h=16, glm53-like: 8.5 ms against 10.2 in the layer proxy); only
-    ``backend="auto"`` switches.
-    """
-    from .sparse_attention import program_shape
-
-    return auto and program_shape(h, 1)[1] < 64
-
-
 def _ptr(t) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 # The planner kernel's scope (csrc/quilt_plan.cu): member bits in one byte, 16 list entries a thread in
-# one CTA, and its shared memory: the entries' rows, the pushed-row set and a byte a kv row.
+# one CTA, and its shared memory: the entries' slot references, the pushed-row set and the membership hash
+# table (1.5 slots an entry: its size follows the group's entries, not s_kv).
 PLAN_MAX_GROUP, PLAN_MAX_ENTRIES, PLAN_SMEM_BYTES = 8, 16384, 232448 - 1024  # the kernel's static arrays: < 1 KB
+PLAN_NO_BOUND = 2**31 - 1  # s_kv the kernel is given for a plan without one: only negatives are invalid
 
 
 def plan_list_pad(topk: int) -> int:
@@ -238,50 +201,59 @@ def plan_list_pad(topk: int) -> int:
     return -(-topk // 512) * 512
 
 
-def plan_launch_shape(group_size: int, topk: int, s_kv: int, tile: int) -> tuple[int, int, int]:
+def plan_table_slots(group_size: int, topk: int) -> int:
+    """Slots of the planner's membership hash table: 1.5 an entry, so linear probing stays short even when
+    no two entries share a row."""
+    entries = group_size * plan_list_pad(topk)
+    return entries + entries // 2
+
+
+def plan_launch_shape(group_size: int, topk: int, tile: int) -> tuple[int, int, int]:
     """(threads, log2 of the pushed-row set's slots, dynamic shared memory bytes) of a planner launch."""
     threads = group_size * plan_list_pad(topk) // 16
     pushed = max(1, (group_size - 1) * tile)  # at most tile - 1 rows a (level, block), G - 1 of them
     log_flags = max(6, (2 * pushed - 1).bit_length())
-    return threads, log_flags, 64 * threads + (8 << log_flags) + -(-(s_kv + 1) // 16) * 16  # (+1: a spare byte)
+    slots = plan_table_slots(group_size, topk)
+    table = 4 * (-(-(slots + 1) // 4) * 4) + -(-(slots + 1) // 16) * 16  # keys, then member bytes (+1: a spare)
+    return threads, log_flags, 64 * threads + (8 << log_flags) + table
 
 
-def plan_unsupported_reason(group_size: int, topk: int, s_kv: int, tile: int) -> str | None:
-    """Why the CUDA planner cannot plan this shape (None when it can)."""
+def plan_unsupported_reason(group_size: int, topk: int, tile: int) -> str | None:
+    """Why the CUDA planner cannot plan this shape (None when it can); any s_kv."""
     if group_size > PLAN_MAX_GROUP:
         return f"the CUDA planner runs group sizes up to {PLAN_MAX_GROUP}, got {group_size}"
     if topk < 1 or group_size * plan_list_pad(topk) > PLAN_MAX_ENTRIES:
         return f"the CUDA planner holds up to {PLAN_MAX_ENTRIES} entries a group, got group_size x topk {group_size} x {topk}"
-    if s_kv > 1 << 18:  # the kernel packs a kv row into 18 bits next to its member bits
-        return f"the CUDA planner plans contexts up to {1 << 18} rows, got s_kv {s_kv}"
-    smem = plan_launch_shape(group_size, topk, s_kv, tile)[2]
+    smem = plan_launch_shape(group_size, topk, tile)[2]
     if smem > PLAN_SMEM_BYTES:
-        return (f"the CUDA planner's shared memory ({smem} bytes for s_kv {s_kv}, topk {topk}, tile {tile}) exceeds "
-                f"{PLAN_SMEM_BYTES}: its member table takes a byte a kv row")
+        return (f"the CUDA planner's shared memory ({smem} bytes for topk {topk}, tile {tile}) exceeds "
+                f"{PLAN_SMEM_BYTES}")
     return None
 
 
 def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, importance_clip, split_private,
                 out: dict) -> None:
     """Run the planner kernel over ``indices [s_q, topk]`` (contiguous int32) into the tensors of ``out``
-    (``planner.cuda_plan`` allocates them); one CTA a group, no host sync."""
+    (``planner.cuda_plan`` allocates them; ``out["tile_mask"]`` None: packed columns); one CTA a group, no
+    host sync. ``s_kv`` None: only negative rows are invalid."""
     s_q, topk = indices.shape
-    reason = plan_unsupported_reason(group_size, topk, s_kv, tile)
+    reason = plan_unsupported_reason(group_size, topk, tile)
     if reason:
         raise ValueError(reason)
     n_groups = out["group_tiles"].shape[0]
     if n_groups == 0:
         return
-    threads, log_flags, smem = plan_launch_shape(group_size, topk, s_kv, tile)
+    threads, log_flags, smem = plan_launch_shape(group_size, topk, tile)
     prm = _PlanParams()
     prm.indices, prm.topk_length = indices.data_ptr(), _ptr(topk_length)
     for name in ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "group_valid",
                  "dropped", "priv_idx", "priv_n"):
         setattr(prm, name, _ptr(out[name]))
     prm.stride_idx = indices.stride(0)
-    prm.s_q, prm.s_kv, prm.topk, prm.n_groups = s_q, s_kv, topk, n_groups
+    prm.s_q, prm.s_kv, prm.topk, prm.n_groups = s_q, PLAN_NO_BOUND if s_kv is None else s_kv, topk, n_groups
     prm.cap, prm.tile, prm.merge = out["tile_kv"].shape[1], tile, merge_level
     prm.iclip, prm.split, prm.log_flags, prm.thr = int(importance_clip), int(split_private), log_flags, float(thr)
+    prm.nslots = plan_table_slots(group_size, topk)
     lib = _library()
     stream = torch.cuda.current_stream(indices.device).cuda_stream
     err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, threads, smem, ctypes.c_void_p(stream))
@@ -336,7 +308,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     prm.skip = _skip
     if plan is not None:
         prog_tiles, prog_ntiles = plan.work_list(qp)
-        prm.tile_kv, prm.tile_mask = plan.tile_kv.data_ptr(), plan.tile_mask.data_ptr()
+        prm.tile_kv, prm.tile_mask = plan.tile_kv.data_ptr(), _ptr(plan.tile_mask)  # None: packed columns
         prm.prog_tiles, prm.prog_ntiles = prog_tiles.data_ptr(), prog_ntiles.data_ptr()
         prm.prog_order = plan.program_order(qp).data_ptr()  # longest programs first
         prm.prog_cap, prm.topk, prm.from_plan = prog_tiles.shape[1], plan.topk, 1

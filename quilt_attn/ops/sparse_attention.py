@@ -23,31 +23,43 @@ LAST_COMPILED: dict = {}
 
 
 @triton.jit
+def _gather(ptrs, row_ok):
+    """``tl.load`` of gathered rows ``[BT, n]``; rows that are not ``row_ok`` (padding, invalid; None: all
+    are valid) read as 0 without touching memory, so no unselected value (a NaN) enters a product."""
+    if row_ok is None:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0)
+    return x
+
+
+@triton.jit
 def _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c0, FP8: tl.constexpr, BT: tl.constexpr, NC: tl.constexpr,
-               DTYPE: tl.constexpr):
-    """Latent columns ``c0 .. c0 + NC`` of ``BT`` gathered kv rows, ``[BT, NC]`` in DTYPE (FP8 dequantized)."""
+               DTYPE: tl.constexpr, row_ok=None):
+    """Latent columns ``c0 .. c0 + NC`` of ``BT`` gathered kv rows, ``[BT, NC]`` in DTYPE (FP8 dequantized);
+    0 where not ``row_ok``."""
     cols = c0 + tl.arange(0, NC)
     if FP8:
         # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128 values) | 64 bf16 rope
-        raw = tl.load(kv_ptr + rows[:, None] * 656 + cols[None, :])
-        sc = tl.load(kv_f32_ptr + rows[:, None] * 164 + 128 + c0 // 128 + tl.arange(0, NC // 128)[None, :])
+        raw = _gather(kv_ptr + rows[:, None] * 656 + cols[None, :], row_ok)
+        sc = _gather(kv_f32_ptr + rows[:, None] * 164 + 128 + c0 // 128 + tl.arange(0, NC // 128)[None, :], row_ok)
         # (dequantizing in DTYPE instead of float32 measured slower: 9.4 vs 8.6 ms, NOTES.md v2)
         val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         k = tl.reshape(tl.reshape(val, [BT, NC // 128, 128]) * sc[:, :, None], [BT, NC]).to(DTYPE)
     else:
-        k = tl.load(kv_ptr + rows[:, None] * stride_kv + cols[None, :])
+        k = _gather(kv_ptr + rows[:, None] * stride_kv + cols[None, :], row_ok)
     return k
 
 
 @triton.jit
 def _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
-               DTYPE: tl.constexpr):
-    """Rope columns ``[BT, DR]`` of the gathered rows."""
+               DTYPE: tl.constexpr, row_ok=None):
+    """Rope columns ``[BT, DR]`` of the gathered rows (0 where not ``row_ok``)."""
     offs_r = tl.arange(0, DR)
     if FP8:
-        kr = tl.load(kv_b16_ptr + rows[:, None] * 328 + 264 + offs_r[None, :]).to(DTYPE)
+        kr = _gather(kv_b16_ptr + rows[:, None] * 328 + 264 + offs_r[None, :], row_ok).to(DTYPE)
     else:
-        kr = tl.load(kv_ptr + rows[:, None] * stride_kv + DV + offs_r[None, :])
+        kr = _gather(kv_ptr + rows[:, None] * stride_kv + DV + offs_r[None, :], row_ok)
     return kr
 
 
@@ -73,7 +85,7 @@ def _sparse_attention_kernel(
     stride_qs, stride_qh, stride_kv, stride_idx, stride_os, stride_oh,
     sm_scale2,
     FROM_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, FP8: tl.constexpr,
-    HAS_INIT: tl.constexpr, PARTIAL: tl.constexpr,
+    HAS_INIT: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
     G: tl.constexpr, QP: tl.constexpr, HB: tl.constexpr, BT: tl.constexpr,
     DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr,
     SKIP_KV: tl.constexpr = False,  # timing study only: kv tiles from registers, no kv loads (wrong outputs)
@@ -132,9 +144,15 @@ def _sparse_attention_kernel(
     for it in range(0, n_iter):
         if FROM_PLAN:
             t = tl.load(prog_tiles_ptr + pid * prog_cap + it).to(tl.int64)
-            kidx = tl.load(tile_kv_ptr + t * BT + cols)
-            cmask = tl.load(tile_mask_ptr + t * BT + cols)
-            col_ok = kidx >= 0
+            if PACKED:  # row | mask << 24; padding (-1) has the row field 0xFFFFFF, never a row of the plan
+                w = tl.load(tile_kv_ptr + t * BT + cols)
+                kidx = w & 0xFFFFFF
+                cmask = (w >> 24) & 0xFF
+                col_ok = (kidx < s_kv) & (kidx != 0xFFFFFF)
+            else:
+                kidx = tl.load(tile_kv_ptr + t * BT + cols)
+                cmask = tl.load(tile_mask_ptr + t * BT + cols)
+                col_ok = (kidx >= 0) & (kidx < s_kv)
             own = (((cmask[None, :] >> member_bit[:, None]) & 1) != 0) & col_ok[None, :]
         else:
             pos = it * BT + cols
@@ -146,14 +164,14 @@ def _sparse_attention_kernel(
             ka = _synthetic_kv(rows, c_own, BT, DVS, DTYPE)
             kr = _synthetic_kv(rows, DV, BT, DR, DTYPE)
         else:
-            ka = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_own, FP8, BT, DVS, DTYPE)
-            kr = _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8, DV, DR, DTYPE)
+            ka = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_own, FP8, BT, DVS, DTYPE, col_ok)
+            kr = _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8, DV, DR, DTYPE, col_ok)
         s = tl.dot(q_a, tl.trans(ka))
         if DVS < DV:
             if SKIP_KV:
                 kb = _synthetic_kv(rows, c_oth, BT, DVS, DTYPE)
             else:
-                kb = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_oth, FP8, BT, DVS, DTYPE)
+                kb = _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c_oth, FP8, BT, DVS, DTYPE, col_ok)
             s = tl.dot(q_b, tl.trans(kb), s)
         s = tl.dot(q_rope, tl.trans(kr), s)
         s = tl.where(own, s * sm_scale2, float("-inf"))
@@ -219,41 +237,6 @@ def default_config(rows: int) -> tuple[int, int]:
     return DEFAULT_CONFIG.get(rows, (8, 2))
 
 
-# Time of a 64-row tile over a 16-row one, measured on the H200 (NOTES.md, v1): 1.96.
-TILE64_OVER_TILE16 = 2.0
-
-
-def quilt_pays_off(plan, h: int, margin: float = 0.95) -> bool:
-    """Whether running ``plan`` should beat query-parallel execution at ``h`` heads.
-
-    Counts tile-times: a shared tile costs ``TILE64_OVER_TILE16`` query tiles. One host sync,
-    cached in the plan (a plan is built once and run many times).
-    """
-    import torch
-
-    key = ("pays_off", h)
-    if key not in plan._work:
-        qp, hb = program_shape(h, plan.group_size)
-        if qp == 1:  # one query fills the 64 rows: nothing to share inside a tile
-            plan._work[key] = False
-            return False
-        hb16 = program_shape(h, 1)[1]
-        shared = plan.work_list(qp)[1].sum() * triton.cdiv(h, hb)
-        priv = ((plan.priv_n + 63) // 64).sum() if plan.priv_n is not None else torch.zeros((), device=plan.device)
-        qp_tiles = -(-plan.valid_pairs // 64)  # a lower bound of the query-parallel tile count
-        cost = TILE64_OVER_TILE16 * shared * (plan.tile / 64) + priv * triton.cdiv(h, hb16)  # in 64-row-kv units
-        plan._work[key] = bool(cost < margin * qp_tiles * triton.cdiv(h, hb16))
-    return plan._work[key]
-
-
-
-def runs_quilt(plan, h: int, fallback: bool = True) -> bool:
-    """Whether ``sparse_prefill`` runs the QUILT kernels for ``plan`` (else the query-parallel one).
-
-    Importance clipping always runs QUILT: its plan drops pairs that query-parallel would keep.
-    """
-    return not fallback or plan.importance_clip or quilt_pays_off(plan, h)
-
 def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
             attn_sink=None, init=None, partial=False, dv_split=1, num_warps=None, num_stages=None,
             _skip_kv=False):
@@ -276,7 +259,8 @@ def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_le
     if plan is not None:
         prog_tiles, prog_ntiles = plan.work_list(QP)
         grid = (prog_tiles.shape[0], triton.cdiv(h, HB), dv_split)
-        tile_kv, tile_mask, prog_cap, bt = plan.tile_kv, plan.tile_mask, prog_tiles.shape[1], plan.tile
+        tile_kv, prog_cap, bt = plan.tile_kv, prog_tiles.shape[1], plan.tile
+        tile_mask = plan.tile_kv if plan.packed else plan.tile_mask  # (packed: not read)
         idx, topk = dummy, plan.topk
     else:
         prog_tiles = prog_ntiles = tile_kv = tile_mask = dummy
@@ -296,6 +280,7 @@ def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_le
         float(sm_scale) * LOG2E,
         FROM_PLAN=plan is not None, HAS_LEN=topk_length is not None and plan is None,
         HAS_SINK=attn_sink is not None, FP8=fp8, HAS_INIT=init is not None, PARTIAL=partial,
+        PACKED=plan is not None and plan.packed,
         G=G, QP=QP, HB=HB, BT=bt, DV=d_v, DR=d_qk - d_v, DVS=d_v // dv_split, SKIP_KV=bool(_skip_kv),
         num_warps=num_warps, num_stages=num_stages,
     )

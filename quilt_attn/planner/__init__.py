@@ -1,5 +1,6 @@
 """QUILT planner: member masks (SCSD or bitmap), cascaded sharing, clipping, tile work list."""
 from .membership import cascade_levels, member_masks
-from .plan import Plan, plan
+from .plan import PACK_ROW_MASK, PACK_SHIFT, Plan, packs_columns, plan, plan_workspace_bytes
 
-__all__ = ["Plan", "plan", "member_masks", "cascade_levels"]
+__all__ = ["Plan", "plan", "plan_workspace_bytes", "packs_columns", "PACK_SHIFT", "PACK_ROW_MASK", "member_masks",
+           "cascade_levels"]

@@ -1,9 +1,8 @@
 """CUDA planner: one CTA a query group, its membership table in shared memory (``ops/csrc/quilt_plan.cu``).
 
-The same plan as the torch and Triton planners. The membership table is the "bitmap" method's table
-(member bits by kv row), a byte a kv row in shared memory instead of an ``s_kv``-long int32 array in
-global memory; so the context it plans is bounded (about 150K rows), and a longer one runs the Triton
-planner under ``backend="auto"``.
+The same plan as the torch and Triton planners. The membership table (member bits by kv row) is a hash
+table in shared memory sized by the group's entries, so planning costs the same for any ``s_kv``: slot ids
+into a paged pool of millions of rows plan like positions in a short context.
 """
 from __future__ import annotations
 
@@ -21,14 +20,16 @@ def unsupported_reason(device: torch.device, G: int, topk: int, s_kv: int | None
         return reason
     if method != "bitmap":
         return f"the CUDA planner computes member masks with its membership table (method='bitmap'), got {method!r}"
-    return cuda_backend.plan_unsupported_reason(G, topk, s_kv if s_kv is not None else 1, tile)
+    return cuda_backend.plan_unsupported_reason(G, topk, tile)
 
 
-def plan_cuda(indices, s_kv: int, topk_length, G, M, T, thr, importance_clip, split_private=False):
-    """Run the planner kernel (rows ``>= s_kv`` invalid); returns the Plan's tensor fields and the valid-pair
-    count."""
+def plan_cuda(indices, s_kv: int | None, topk_length, G, M, T, thr, importance_clip, split_private=False,
+              workspace=None):
+    """Run the planner kernel (rows ``>= s_kv`` invalid; ``s_kv`` None: only negatives); returns the Plan's
+    tensor fields and the valid-pair count."""
     s_q, topk = indices.shape
-    buf = plan_buffers(s_q, topk, G, M, T, split_private, indices.device, filled=False)  # the kernel writes every slot
+    buf = plan_buffers(s_q, topk, G, M, T, split_private, indices.device, filled=False, s_kv=s_kv,
+                       workspace=workspace)  # the kernel writes every slot
     lengths = None if topk_length is None else topk_length.contiguous()
     cuda_backend.launch_plan(indices.contiguous(), lengths, s_kv, G, M, T, thr, importance_clip, split_private, buf)
     group_valid = buf.pop("group_valid")

@@ -10,9 +10,17 @@ Two exact methods compute them; both give identical masks:
 * ``"sort"`` -- Shift-and-Compare Set Decomposition (SCSD, paper section 3.1):
   concatenate the group's lists, sort, find equal neighbours by a shift and compare,
   OR the member bits of each run of equal rows, scatter back.
-* ``"bitmap"`` -- a per-group membership table indexed by kv row: each member ORs its
-  bit into the row's slot, then every entry reads its row's slot back. No sort; memory
-  ``groups_per_chunk * s_kv * 4`` bytes, processed in chunks of groups.
+* ``"bitmap"`` -- a per-group membership table: each member ORs its bit into its row's
+  slot, then every entry reads its row's slot back. Here (torch) the table is indexed by the
+  row's dense id inside its group (one sort of the group's entries, as SCSD's), so its size is
+  the group's entries, never ``s_kv``; the kernel planners hash the rows instead.
+
+Both cost time and memory O(s_q * topk) for any ``s_kv`` (slot ids into a pool of 2**31 - 2 rows
+plan like positions in a short context), with no host sync.
+
+A row repeated inside one query's list: the first occurrence (lowest position) gets the row's
+full mask (the query's own bit once), every later one only the query's own bit: a private entry,
+so each entry counts once for its own query and the partners are not affected.
 """
 from __future__ import annotations
 
@@ -22,14 +30,15 @@ from .._checks import canonical_indices, check_topk_length
 from ..reference import valid_index_mask
 
 METHODS = ("sort", "bitmap")
-_BITMAP_BUDGET_BYTES = {"cuda": 1 << 30, "cpu": 1 << 26}
+NO_S_KV_BOUND = 2**31 - 1  # the row bound without s_kv: only negatives (and this value) are invalid
 
 
-def check_group_size(group_size: int, max_group: int = 16) -> int:
+def check_group_size(group_size: int, max_group: int = 16, name: str = "group_size") -> int:
+    """``group_size`` (or the argument ``name``: ``merge_level``, ...) checked: a power of two in ``[1, max_group]``."""
     if not isinstance(group_size, int) or isinstance(group_size, bool):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(group_size).__name__}")
     if group_size < 1 or group_size > max_group or group_size & (group_size - 1):
-        raise ValueError(f"group_size must be a power of two in [1, {max_group}], got {group_size}")
+        raise ValueError(f"{name} must be a power of two in [1, {max_group}], got {group_size}")
     return group_size
 
 
@@ -39,51 +48,59 @@ def pad_to_groups(x: torch.Tensor, group_size: int, fill: int) -> torch.Tensor:
     return torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)]) if pad else x
 
 
-def _masks_sort(idx: torch.Tensor, valid: torch.Tensor, G: int) -> torch.Tensor:
-    """SCSD over padded ``idx [n_groups * G, topk]``; returns masks of the same shape."""
+def group_row_ids(idx: torch.Tensor, valid: torch.Tensor, G: int):
+    """Dense row ids inside each group, from one stable sort of the group's ``G * topk`` entries.
+
+    Parameters
+    ----------
+    idx : int32 ``[n_groups * G, topk]`` (padded rows), valid : bool of the same shape.
+
+    Returns
+    -------
+    ids : int64 ``[n_groups * G, topk]`` in ``[0, G * topk)``: two valid entries of one group have the
+        same id iff they select the same row (invalid entries share the group's last id).
+    first : bool, the same shape: the entry is the first occurrence (lowest position) of its row in its
+        query's list (True for every entry of a duplicate-free list).
+    sorted_ : ``(key_sorted, perm, run_id, first_sorted)`` ``[n_groups, G * topk]``: the sort, for SCSD.
+    """
     rows, topk = idx.shape
     n_groups = rows // G
     member = torch.arange(G, device=idx.device, dtype=torch.int64).repeat_interleave(topk)  # [G*topk]
-    sentinel = torch.iinfo(torch.int64).max // 2
-    key = torch.where(valid, idx.to(torch.int64), sentinel).view(n_groups, G * topk) * G + member
-    key_sorted, perm = torch.sort(key, dim=1)  # (C, T) = Sort(A || B)
+    # key = row * G + member; invalid entries sort last (above every int32 row); stable: equal keys (a row
+    # repeated by one query) keep their positions, so the first of a run is the lowest position
+    key = torch.where(valid, idx.to(torch.int64), NO_S_KV_BOUND + 1).view(n_groups, G * topk) * G + member
+    key_sorted, perm = torch.sort(key, dim=1, stable=True)
     row_sorted = key_sorted // G
-    mem_sorted = key_sorted - row_sorted * G
-    # Shift and compare: a run of equal kv rows starts where the row differs from its left neighbour.
     starts = torch.ones_like(row_sorted, dtype=torch.bool)
-    starts[:, 1:] = row_sorted[:, 1:] != row_sorted[:, :-1]
-    # A (row, member) pair repeated inside one query's list contributes its bit once.
-    first = torch.ones_like(starts)
-    first[:, 1:] = key_sorted[:, 1:] != key_sorted[:, :-1]
-    bits = torch.where(first, torch.ones_like(mem_sorted) << mem_sorted, torch.zeros_like(mem_sorted))
+    starts[:, 1:] = row_sorted[:, 1:] != row_sorted[:, :-1]  # shift and compare: a new kv row
+    first_sorted = torch.ones_like(starts)
+    first_sorted[:, 1:] = key_sorted[:, 1:] != key_sorted[:, :-1]  # a new (row, member) pair
     run_id = torch.cumsum(starts.to(torch.int64), dim=1) - 1
-    run_mask = torch.zeros_like(bits).scatter_add_(1, run_id, bits)
-    mask_sorted = torch.gather(run_mask, 1, run_id)
-    masks = torch.empty_like(mask_sorted).scatter_(1, perm, mask_sorted).view(rows, topk)
-    return torch.where(valid, masks, 0).to(torch.int32)  # the sentinel run of invalid entries gets no mask
+    ids = torch.empty_like(run_id).scatter_(1, perm, run_id).view(rows, topk)
+    first = torch.empty_like(first_sorted).scatter_(1, perm, first_sorted).view(rows, topk)
+    return ids, first, (key_sorted, perm, run_id, first_sorted)
 
 
-def _masks_bitmap(idx: torch.Tensor, valid: torch.Tensor, G: int, s_kv: int) -> torch.Tensor:
-    """Membership table over padded ``idx [n_groups * G, topk]``, chunked over groups."""
+def group_masks(idx: torch.Tensor, valid: torch.Tensor, G: int, method: str):
+    """Member masks (repeated rows: see the module docstring) and dense row ids over padded
+    ``idx [n_groups * G, topk]``; returns ``(masks int32, ids int64)`` of idx's shape (masks 0 where invalid)."""
     rows, topk = idx.shape
     n_groups = rows // G
-    s_kv = max(s_kv, 1)  # all-invalid input (s_kv 0 or inferred from negatives only): keep the table non-empty
-    budget = _BITMAP_BUDGET_BYTES["cuda" if idx.is_cuda else "cpu"]
-    chunk = max(1, min(n_groups, budget // (4 * max(s_kv, 1))))
-    masks = torch.zeros(rows, topk, dtype=torch.int32, device=idx.device)
-    table = torch.zeros(chunk * s_kv, dtype=torch.int32, device=idx.device)
-    safe = torch.where(valid, idx, 0).to(torch.int64)
-    for g0 in range(0, n_groups, chunk):
-        g1 = min(n_groups, g0 + chunk)
-        table.zero_()
-        sl = slice(g0 * G, g1 * G)
-        slot = (torch.arange(g1 - g0, device=idx.device).repeat_interleave(G)[:, None] * s_kv + safe[sl]).view(g1 - g0, G, topk)
-        ok = valid[sl].view(g1 - g0, G, topk)
-        for k in range(G):  # each member ORs its bit; within one member the slots are distinct (up to repeats)
-            s_k = slot[:, k][ok[:, k]]
-            table[s_k] = table[s_k] | (1 << k)
-        masks[sl] = torch.where(valid[sl], table[slot.view(-1, topk)], 0)
-    return masks
+    ids, first, (key_sorted, perm, run_id, first_sorted) = group_row_ids(idx, valid, G)
+    member = (torch.arange(rows, device=idx.device) % G)[:, None]
+    own = torch.ones_like(ids) << member
+    if method == "sort":  # SCSD: OR the member bits of each run of equal rows in the sorted order
+        mem_sorted = key_sorted % G
+        bits = torch.where(first_sorted, torch.ones_like(mem_sorted) << mem_sorted, 0)  # a pair's bit once
+        run_mask = torch.zeros_like(bits).scatter_add_(1, run_id, bits)
+        masks = torch.empty_like(run_mask).scatter_(1, perm, torch.gather(run_mask, 1, run_id)).view(rows, topk)
+    else:  # membership table by dense id: every first (row, member) pair adds its bit once (= OR)
+        slot = (torch.arange(n_groups, device=idx.device).repeat_interleave(G)[:, None] * (G * topk) + ids).view(-1)
+        table = torch.zeros(n_groups * G * topk, dtype=torch.int64, device=idx.device)
+        table.scatter_add_(0, slot, torch.where(first & valid, own, 0).view(-1))
+        masks = table[slot].view(rows, topk)
+    masks = torch.where(first, masks, own)  # a repeat: a private entry of its own query
+    return torch.where(valid, masks, 0).to(torch.int32), ids  # the sentinel run of invalid entries: no mask
 
 
 def member_masks(
@@ -100,13 +117,15 @@ def member_masks(
     ----------
     indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``).
     group_size : power of two in [1, 16].
-    s_kv : context length; entries ``>= s_kv`` are invalid. ``None``: only negatives are invalid.
+    s_kv : context length; entries ``>= s_kv`` are invalid. ``None``: only negatives are invalid (rows up
+        to ``2**31 - 2``). Time and memory do not depend on it.
     topk_length : optional int32 ``[s_q]``.
-    method : ``"sort"`` (SCSD) or ``"bitmap"``.
+    method : ``"sort"`` (SCSD) or ``"bitmap"`` (same masks).
 
     Returns
     -------
-    masks : int32 ``[s_q, topk]``; bit ``k`` set iff query ``(i // G) * G + k`` selected the row; 0 if invalid.
+    masks : int32 ``[s_q, topk]``; bit ``k`` set iff query ``(i // G) * G + k`` selected the row; 0 if invalid;
+        a later repeat of a row in one query's list: the query's own bit only.
     valid : bool ``[s_q, topk]``.
     """
     indices = canonical_indices(indices)
@@ -115,15 +134,10 @@ def member_masks(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     s_q = indices.shape[0]
     topk_length = check_topk_length(topk_length, s_q, indices.device)
-    bound = s_kv if s_kv is not None else torch.iinfo(torch.int32).max
+    bound = s_kv if s_kv is not None else NO_S_KV_BOUND
     valid = valid_index_mask(indices, bound, topk_length)
     idx, valid_p = pad_to_groups(indices, G, -1), pad_to_groups(valid, G, False)
-    if method == "sort":
-        masks = _masks_sort(idx, valid_p, G)
-    else:
-        if s_kv is None:
-            s_kv = int(indices.max().item()) + 1 if indices.numel() else 1
-        masks = _masks_bitmap(idx, valid_p, G, s_kv)
+    masks, _ = group_masks(idx, valid_p, G, method)
     return masks[:s_q], valid
 
 

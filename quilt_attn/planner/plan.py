@@ -7,13 +7,15 @@ are cut into tiles of ``tile`` kv rows (tile-aware clipping, section 3.4).
 
 Order inside a segment: the importance order of the block's first member (its *representative*).
 Tile-aware clipping pushes down the representative's lowest-ranked shared rows; the other members
-learn which rows moved through a per-group table indexed by kv row (one flag bit a block), so no
-list is ever sorted. Importance-aware clipping drops each query's lowest-ranked private rows.
+learn which rows moved through a per-group table of the group's distinct rows (one flag bit a
+block), so no list is ever sorted by rank. Importance-aware clipping drops each query's lowest-ranked
+private rows.
 
 Three implementations give identical plans: a CUDA kernel (``planner/cuda_plan.py``, the Hopper
-path, one CTA a group with its table in shared memory), a fused Triton kernel
-(``planner/triton_plan.py``, one program a group, table in global memory) and vectorised torch
-(this file; CPU path and test oracle).
+path, one CTA a group with a hash table in shared memory), a fused Triton kernel
+(``planner/triton_plan.py``, one program a group, a hash table in global memory) and vectorised torch
+(this file; CPU path and test oracle; its table is indexed by dense row ids from one sort). All
+three cost the same for any ``s_kv`` (up to ``2**31 - 1``: slot ids into a paged kv pool).
 """
 from __future__ import annotations
 
@@ -25,9 +27,26 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import canonical_indices, check_topk_length
-from .membership import METHODS, cascade_levels, check_group_size, member_masks, pad_to_groups
+from ..reference import valid_index_mask
+from .membership import METHODS, NO_S_KV_BOUND, cascade_levels, check_group_size, group_masks, pad_to_groups
+from .source import PlanSource, plan_source
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
+
+# Packed tile columns (see ``packs_columns``): a slot's word is ``row | (member_mask << PACK_SHIFT)``.
+PACK_SHIFT = 24
+PACK_ROW_MASK = (1 << PACK_SHIFT) - 1  # also the row field of a padding word (-1): never a row of a packed plan
+WORKSPACE_ALIGN = 16  # bytes; every tensor carved from a caller's workspace starts at a multiple of it
+
+
+def packs_columns(s_kv: int | None, group_size: int) -> bool:
+    """Whether a plan stores its tile columns packed (one int32 word a slot, ``Plan.tile_mask`` None).
+
+    Packed needs every row below the row field of a padding word (``s_kv <= PACK_ROW_MASK``) and
+    the member mask in the 8 bits above the row (``group_size <= 8``); otherwise (``s_kv`` None, a
+    larger pool, group 16) the columns are wide: rows and masks in two tensors.
+    """
+    return s_kv is not None and s_kv <= PACK_ROW_MASK and group_size <= 8
 
 
 @dataclass
@@ -42,8 +61,11 @@ class Plan:
     Attributes
     ----------
     tile_kv : int32 ``[n_groups, cap, tile]``
-        kv row of each tile slot; -1 marks a padding slot (masked, never computed as a row).
-    tile_mask : int32 ``[n_groups, cap, tile]``
+        wide columns (``tile_mask`` given): kv row of each tile slot; -1 marks a padding slot (masked,
+        never computed as a row). Packed columns (``tile_mask`` None, see ``packs_columns``): the word
+        ``row | (mask << PACK_SHIFT)``; a word whose row field (``w & PACK_ROW_MASK``) is ``>= s_kv``
+        (padding: -1) is padding with mask 0. ``columns()`` decodes either.
+    tile_mask : int32 ``[n_groups, cap, tile]`` or None (packed)
         member bits (bit k = query ``g * group_size + k``) that own each slot's row; 0 for padding.
     tile_level : int32 ``[n_groups, cap]``
         level (block size) of the segment a tile belongs to; 0 for a merged tile, -1 unused.
@@ -72,7 +94,7 @@ class Plan:
     method: str
     split_private: bool
     tile_kv: torch.Tensor
-    tile_mask: torch.Tensor
+    tile_mask: torch.Tensor | None
     tile_level: torch.Tensor
     tile_members: torch.Tensor
     group_tiles: torch.Tensor
@@ -85,6 +107,9 @@ class Plan:
     _work: dict = field(default_factory=dict, repr=False)
     _ready: object = field(default=None, repr=False)  # plan_ahead: a CUDA event after the planner's work
     _waited: set = field(default_factory=set, repr=False)  # streams already ordered after that event
+    # what the plan was built for (the indices' identity, s_kv, topk_length): sparse_prefill refuses a plan
+    # whose source does not match its arguments; None for a plan assembled by hand
+    source: "PlanSource | None" = field(default=None, repr=False)
 
     def tensors(self):
         """The plan's tensor fields (those a planner wrote), in field order."""
@@ -111,6 +136,22 @@ class Plan:
     @property
     def device(self) -> torch.device:
         return self.tile_kv.device
+
+    @property
+    def packed(self) -> bool:
+        """Whether the tile columns are packed words (``tile_mask`` None; see ``packs_columns``)."""
+        return self.tile_mask is None
+
+    def columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, masks)`` int32 ``[n_groups, cap, tile]`` of the tile slots, whatever the format: rows -1
+        and masks 0 at padding (wide plans: ``tile_kv`` and ``tile_mask`` themselves). For tests and tools."""
+        self.wait()
+        if self.tile_mask is not None:
+            return self.tile_kv, self.tile_mask
+        w = self.tile_kv
+        row = w & PACK_ROW_MASK
+        ok = (row < self.s_kv) & (row != PACK_ROW_MASK)
+        return torch.where(ok, row, -1), torch.where(ok, (w >> PACK_SHIFT) & 0xFF, 0)
 
     @property
     def n_groups(self) -> int:
@@ -204,6 +245,19 @@ class Plan:
             self._work[key] = torch.argsort(ntiles, descending=True, stable=True).to(torch.int32)
         return self._work[key]
 
+    def cached(self, key: tuple, make):
+        """``make()`` computed once per plan and ``key``, then kept with the plan (like its work lists).
+
+        For what other modules derive from a plan and reuse with it (``dispatch.quilt_pays_off``): ``key``
+        a tuple whose first item names the owner (``("dispatch.quilt_pays_off", h)``), so keys of
+        different owners never collide; ``make`` a function of no argument returning the value.
+        """
+        if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
+            raise TypeError(f"key must be a tuple starting with its owner's name, got {key!r}")
+        if key not in self._work:
+            self._work[key] = make()
+        return self._work[key]
+
 
 def levels_desc(G: int, lowest: int) -> list[int]:
     """``[G, G/2, ..., lowest]``."""
@@ -228,37 +282,106 @@ def tile_capacity(G: int, M: int, topk: int, T: int) -> int:
     return -(-G * topk // T) + segment_count(G, M)
 
 
-def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, device,
-                 filled: bool = True) -> dict:
-    """The Plan's tensors, allocated for a kernel planner to fill (unused tile slots: kv -1, mask 0).
-
-    ``filled=False``: the tile arrays come uninitialized, for a planner that writes every slot itself.
-    """
+def _buffer_shapes(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, s_kv: int | None) -> dict:
+    """``{name: shape}`` of the int32 tensors ``plan_buffers`` makes, in workspace order."""
     n_groups = -(-s_q // G)
     cap = tile_capacity(G, M, topk, T)
-    i32 = dict(dtype=torch.int32, device=device)
-    tiles = dict(tile_kv=torch.empty(n_groups, cap, T, **i32), tile_mask=torch.empty(n_groups, cap, T, **i32),
-                 tile_level=torch.empty(n_groups, cap, **i32), tile_members=torch.empty(n_groups, cap, **i32))
-    if filled:  # unused slots: kv and level -1, mask and members 0
-        for name, value in (("tile_kv", -1), ("tile_mask", 0), ("tile_level", -1), ("tile_members", 0)):
-            tiles[name].fill_(value)
-    out = dict(**tiles,
-               group_tiles=torch.empty(n_groups, **i32), group_rows=torch.empty(n_groups, **i32),
-               group_valid=torch.empty(n_groups, **i32), dropped=torch.zeros(s_q, **i32), priv_idx=None, priv_n=None)
+    shapes = {"tile_kv": (n_groups, cap, T)}
+    if not packs_columns(s_kv, G):
+        shapes["tile_mask"] = (n_groups, cap, T)
+    shapes.update(tile_level=(n_groups, cap), tile_members=(n_groups, cap), group_tiles=(n_groups,),
+                  group_rows=(n_groups,), group_valid=(n_groups,), dropped=(s_q,))
     if split_private:
-        out["priv_idx"], out["priv_n"] = torch.full((s_q, topk), -1, **i32), torch.zeros(s_q, **i32)
+        shapes.update(priv_idx=(s_q, topk), priv_n=(s_q,))
+    return shapes
+
+
+def _aligned_bytes(shape) -> int:
+    return -(-4 * math.prod(shape) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def plan_workspace_bytes(s_q: int, topk: int, *, group_size: int = 8, merge_level: int = 1, tile: int = 64,
+                         split_private: bool = False, s_kv: int | None = None) -> int:
+    """Bytes of the caller-owned ``workspace`` that ``plan(..., workspace=...)`` carves the plan's tensors from.
+
+    The arguments are ``plan``'s (``s_q, topk`` of the indices; ``s_kv`` decides packed or wide columns).
+    The plan's tensors are views into the workspace: it stays the caller's, and a plan lives as long as
+    its workspace is not reused.
+    """
+    G = check_group_size(group_size)
+    M = check_group_size(merge_level, G, "merge_level")
+    for name, v in (("s_q", s_q), ("topk", topk), ("tile", tile)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "tile" else 0):
+            raise ValueError(f"{name} must be a {'positive' if name == 'tile' else 'non-negative'} int, got {v!r}")
+    shapes = _buffer_shapes(s_q, topk, G, M, tile, bool(split_private), s_kv)
+    return sum(_aligned_bytes(shape) for shape in shapes.values())
+
+
+def _carve(workspace, shapes: dict, need: int, device) -> dict:
+    """Int32 views of ``shapes`` cut from a caller's uint8 ``workspace`` (checked), each slice aligned."""
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"workspace must be a uint8 torch.Tensor, got {type(workspace).__name__}")
+    if workspace.dtype != torch.uint8:
+        raise ValueError(f"workspace must be a uint8 tensor, got {str(workspace.dtype).replace('torch.', '')}")
+    if workspace.device != torch.device(device):
+        raise ValueError(f"workspace is on {workspace.device} but the indices are on {torch.device(device)}")
+    if not workspace.is_contiguous() or workspace.data_ptr() % WORKSPACE_ALIGN:
+        raise ValueError(f"workspace must be contiguous and start at a {WORKSPACE_ALIGN}-byte aligned address")
+    if workspace.numel() < need:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {need} "
+                         f"(plan_workspace_bytes)")
+    flat, out, off = workspace.view(-1), {}, 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        out[name] = flat[off:off + 4 * n].view(torch.int32).view(shape)
+        off += _aligned_bytes(shape)
     return out
 
 
-def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private):
-    """Vectorised torch planner over padded rows ``idx [n_groups * G, topk]`` (rank order)."""
+def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, device,
+                 filled: bool = True, *, s_kv: int | None = None, workspace: torch.Tensor | None = None) -> dict:
+    """The Plan's tensors, allocated for a planner to fill (unused tile slots: kv -1, mask 0).
+
+    ``s_kv`` decides the column format (``packs_columns``): packed plans have no ``tile_mask`` (None),
+    and padding words are -1. ``workspace``: a caller's uint8 tensor on ``device`` of at least
+    ``plan_workspace_bytes`` bytes to carve the tensors from (``ValueError`` naming ``workspace`` when it
+    is too small, of another dtype or device); None allocates them. ``filled=False``: the tile arrays come
+    uninitialized, for a planner that writes every slot itself.
+    """
+    shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
+    if workspace is None:
+        out = {name: torch.empty(shape, dtype=torch.int32, device=device) for name, shape in shapes.items()}
+    else:
+        out = _carve(workspace, shapes, sum(_aligned_bytes(sh) for sh in shapes.values()), device)
+    out.setdefault("tile_mask", None)
+    out.setdefault("priv_idx", None)
+    out.setdefault("priv_n", None)
+    if filled:  # unused slots: kv and level -1, mask and members 0
+        for name, value in (("tile_kv", -1), ("tile_mask", 0), ("tile_level", -1), ("tile_members", 0)):
+            if out[name] is not None:
+                out[name].fill_(value)
+    out["dropped"].zero_()
+    if split_private:
+        out["priv_idx"].fill_(-1)
+        out["priv_n"].zero_()
+    return out
+
+
+def _plan_torch(idx, valid, masks, ids, G, M, T, thr, importance_clip, split_private, buf):
+    """Vectorised torch planner over padded rows ``idx [n_groups * G, topk]`` (rank order), into ``buf``
+    (``plan_buffers``'s tensors; packed columns when ``buf["tile_mask"]`` is None).
+
+    ``ids``: the dense row ids of ``membership.group_row_ids``; the push-down flags live in a per-group
+    table indexed by them, so memory and time are O(rows * topk) for any ``s_kv``. No host sync: masked
+    writes go to a spare slot past the end of a scratch array.
+    """
     rows, topk = idx.shape
     n_groups, dev = rows // G, idx.device
+    n_ent = G * topk
     member = (torch.arange(rows, device=dev) % G)[:, None]
-    gid = (torch.arange(rows, device=dev) // G)[:, None].expand(rows, topk)
+    gid = (torch.arange(rows, device=dev) // G)[:, None]
     level = cascade_levels(masks, G)
-    s_tab = int(torch.where(valid, idx, 0).max().item()) + 1 if valid.any() else 1  # table over valid rows only
-    slot_of = (gid * s_tab + torch.where(valid, idx, 0)).long()
+    slot_of = (gid * n_ent + ids).view(-1)
 
     for L in levels_desc(G, max(M, 2)):  # tile-aware clipping, top level first
         sel = level == L
@@ -267,9 +390,9 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private)
         r = n % T
         rep = member % L == 0
         pushed = sel & rep & (r > 0) & (r < thr) & (pos >= n - r)
-        table = torch.zeros(n_groups * s_tab, dtype=torch.int64, device=dev)
-        table.scatter_add_(0, slot_of[pushed], (1 << (member // L)).expand(rows, topk)[pushed])
-        moved = sel & (((table[slot_of] >> (member // L)) & 1) == 1)
+        table = torch.zeros(n_groups * n_ent, dtype=torch.int64, device=dev)
+        table.scatter_add_(0, slot_of, torch.where(pushed, 1 << (member // L), 0).view(-1))  # a row once a block
+        moved = sel & (((table[slot_of].view(rows, topk) >> (member // L)) & 1) == 1)
         level = torch.where(moved, L // 2, level)
 
     dropped = torch.zeros(rows, dtype=torch.int32, device=dev)
@@ -290,9 +413,9 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private)
             dropped = drop.sum(1, dtype=torch.int32)
             keep = priv & ~drop
         if split_private:
-            priv_idx = torch.full_like(idx, -1)
-            q = torch.arange(rows, device=dev)[:, None].expand(rows, topk)
-            priv_idx[q[keep], pos[keep]] = idx[keep]
+            lists = torch.full((rows, topk + 1), -1, dtype=torch.int32, device=dev)  # column topk: the spare
+            lists.scatter_(1, torch.where(keep, pos, topk), idx)
+            priv_idx = lists[:, :topk]
             priv_n = keep.sum(1, dtype=torch.int32)
             level = torch.where(keep, -1, level)  # in no tile
 
@@ -321,35 +444,48 @@ def _plan_torch(idx, valid, masks, G, M, T, thr, importance_clip, split_private)
 
     is_rep = sid >= 0
     seg_rows = torch.zeros(n_groups * nseg, dtype=torch.int64, device=dev)
-    seg_rows.scatter_add_(0, (gid * nseg + sid.clamp_min(0))[is_rep], torch.ones_like(sid, dtype=torch.int64)[is_rep])
+    seg_rows.scatter_add_(0, (gid * nseg + sid.clamp_min(0)).view(-1), is_rep.to(torch.int64).view(-1))
     seg_rows = seg_rows.view(n_groups, nseg)
     seg_tiles = (seg_rows + T - 1) // T
-    seg_off = torch.cumsum(seg_tiles, 1) - seg_tiles
+    seg_end = torch.cumsum(seg_tiles, 1)
     cap = tile_capacity(G, M, topk, T)
-    slot = torch.gather(seg_off, 1, sid.clamp_min(0).view(n_groups, G * topk).long()).view(rows, topk) + spos // T
-    flat = ((gid * cap + slot) * T + spos % T)[is_rep]
-    tile_kv = torch.full((n_groups * cap * T,), -1, dtype=torch.int32, device=dev)
-    tile_mask = torch.zeros(n_groups * cap * T, dtype=torch.int32, device=dev)
-    tile_kv[flat] = idx[is_rep]
-    tile_mask[flat] = colmask[is_rep].to(torch.int32)
+    slot = torch.gather(seg_end - seg_tiles, 1, sid.clamp_min(0).view(n_groups, n_ent).long()).view(rows, topk)
+    n_slots = n_groups * cap * T
+    dest = torch.where(is_rep, (gid * cap + slot + spos // T) * T + spos % T, n_slots).view(-1)  # n_slots: spare
+    if buf["tile_mask"] is None:  # packed: row | mask << 24, as int32
+        word = idx.to(torch.int64) | (colmask.to(torch.int64) << PACK_SHIFT)
+        word = torch.where(word >= 2**31, word - 2**32, word)
+        cols = [("tile_kv", word.to(torch.int32), -1)]
+    else:
+        cols = [("tile_kv", idx, -1), ("tile_mask", colmask.to(torch.int32), 0)]
+    for name, value, pad in cols:
+        flat = torch.full((n_slots + 1,), pad, dtype=torch.int32, device=dev)
+        flat.scatter_(0, dest, value.view(-1))
+        buf[name].view(-1).copy_(flat[:n_slots])
 
-    seg_level, seg_bits = [], []
-    for L in levels_desc(G, M):
-        seg_level += [L] * (G // L)
-        seg_bits += [((1 << L) - 1) << (b * L) for b in range(G // L)]
-    if M > 1:
-        seg_level += [0] * (G // M)
-        seg_bits += [((1 << M) - 1) << (b * M) for b in range(G // M)]
-    seg_of_tile = torch.repeat_interleave(torch.arange(nseg, device=dev).repeat(n_groups), seg_tiles.view(-1))
-    used = torch.arange(cap, device=dev)[None, :] < seg_tiles.sum(1, keepdim=True)
-    tile_level = torch.full((n_groups, cap), -1, dtype=torch.int32, device=dev)
-    tile_members = torch.zeros(n_groups, cap, dtype=torch.int32, device=dev)
-    tile_level[used] = torch.tensor(seg_level, dtype=torch.int32, device=dev)[seg_of_tile]
-    tile_members[used] = torch.tensor(seg_bits, dtype=torch.int32, device=dev)[seg_of_tile]
-    return dict(tile_kv=tile_kv.view(n_groups, cap, T), tile_mask=tile_mask.view(n_groups, cap, T),
-                tile_level=tile_level, tile_members=tile_members,
-                group_tiles=seg_tiles.sum(1).to(torch.int32), group_rows=seg_rows.sum(1).to(torch.int32),
-                dropped=dropped, priv_idx=priv_idx, priv_n=priv_n)
+    # tile c of a group belongs to the first segment ending after it (empty segments end where they start)
+    seg = torch.searchsorted(seg_end, torch.arange(cap, device=dev).expand(n_groups, cap).contiguous(), right=True)
+    tile_level = torch.full_like(seg, -1)
+    tile_members = torch.zeros_like(seg)
+    base = 0
+    blocks = [(L, L, G // L) for L in levels_desc(G, M)] + ([(0, M, G // M)] if M > 1 else [])
+    for lv, width, count in blocks:  # segments base .. base + count - 1: the blocks of one level, in order
+        inside = (seg >= base) & (seg < base + count)
+        tile_level = torch.where(inside, lv, tile_level)
+        block = (seg - base).clamp(0, count - 1)
+        tile_members = torch.where(inside, ((1 << width) - 1) << (block * width), tile_members)
+        base += count
+    buf["tile_level"].copy_(tile_level)
+    buf["tile_members"].copy_(tile_members)
+    buf["group_tiles"].copy_(seg_tiles.sum(1))
+    buf["group_rows"].copy_(seg_rows.sum(1))
+    s_q = buf["dropped"].shape[0]
+    buf["dropped"].copy_(dropped[:s_q])
+    if split_private:
+        buf["priv_idx"].copy_(priv_idx[:s_q])
+        buf["priv_n"].copy_(priv_n[:s_q])
+    buf["group_valid"].copy_(valid.view(n_groups, n_ent).sum(1))
+    return buf
 
 
 def _planner_backend(device: torch.device, backend: str, tile: int, G: int, topk: int, s_kv: int | None,
@@ -376,8 +512,8 @@ def _planner_backend(device: torch.device, backend: str, tile: int, G: int, topk
         return "torch"
     from .cuda_plan import unsupported_reason
 
-    if s_kv is not None and unsupported_reason(device, G, topk, s_kv, tile, method) is None:
-        return "cuda"  # (without s_kv the table's size is known only after a host sync: Triton)
+    if unsupported_reason(device, G, topk, s_kv, tile, method) is None:
+        return "cuda"
     return "triton" if not tile & (tile - 1) else "torch"  # other tiles: the torch planner
 
 
@@ -394,15 +530,21 @@ def plan(
     split_private: bool = False,
     method: str = "bitmap",
     backend: str = "auto",
+    workspace: torch.Tensor | None = None,
 ) -> Plan:
     """Decompose the Top-K lists of aligned query groups into shared segments and tiles.
 
     Parameters
     ----------
-    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``), rows in descending importance. A row
-        must not repeat a kv row (Top-K lists never do): a repeated entry is not de-duplicated and
-        would be counted again for the query's group partners.
-    s_kv : context length; entries ``>= s_kv`` or ``< 0`` are ignored (``None``: only negatives).
+    indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``), rows in descending importance. A kv row
+        listed twice by one query counts twice for that query, as in the reference: the first
+        occurrence is planned as usual, every later one as a row of that query alone. The plan records
+        this tensor's identity and in-place version, and those of ``topk_length`` (``Plan.source``,
+        ``planner.source``): ``sparse_prefill`` runs it only with these tensors, unwritten since.
+    s_kv : context length or kv pool size, up to ``2**31 - 1``; entries ``>= s_kv`` or ``< 0`` are
+        ignored (``None``: only negatives). Planning time and memory do not depend on it. Given and
+        ``<= PACK_ROW_MASK`` (with ``group_size <= 8``), the plan's tile columns are packed
+        (``packs_columns``).
     topk_length : optional int32 ``[s_q]``; row i keeps its first ``topk_length[i]`` entries.
     group_size : queries a group, power of two in [1, 16] (1 = query-parallel).
     tile : kv rows a tile.
@@ -420,53 +562,56 @@ def plan(
         (``Plan.priv_idx``); the kernel runs them in 16-row query programs, where a 64-row tile
         would compute mostly masked rows. Also the graceful fallback when nothing is shared.
     method : member masks by ``"bitmap"`` (membership table) or ``"sort"`` (SCSD); same plan.
-    backend : ``"cuda"`` (Hopper kernel, group sizes <= 8, ``group_size * topk <= 16384``, contexts up to
-        about 150K rows, method ``"bitmap"``), ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"``: CUDA where it can run,
+    backend : ``"cuda"`` (Hopper kernel, group sizes <= 8, ``group_size * topk <= 16384``, method
+        ``"bitmap"``), ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"``: CUDA where it can run,
         else Triton on a GPU, else torch.
+    workspace : optional uint8 tensor on the indices' device, contiguous and 16-byte aligned, of at least
+        ``plan_workspace_bytes(s_q, topk, ...)`` bytes: the plan's tensors are carved from it (no
+        allocation for them; the planners' own scratch is not in it). It stays the caller's: the plan
+        is valid until the workspace is written again.
     """
+    indices_arg, topk_length_arg = indices, topk_length  # the caller's tensors: the plan's source
     indices = canonical_indices(indices)
     G = check_group_size(group_size)
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
         raise ValueError(f"tile must be a positive int, got {tile!r}")
     if not 0.0 <= float(clip_threshold) <= 1.0:
         raise ValueError(f"clip_threshold must be in [0, 1], got {clip_threshold}")
-    M = check_group_size(merge_level, G)
+    M = check_group_size(merge_level, G, "merge_level")
     if importance_clip and M != 1 and not split_private:
         raise ValueError("importance_clip needs merge_level=1 or split_private=True (it clips private rows)")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if s_kv is not None and (not isinstance(s_kv, int) or s_kv < 1):
-        raise ValueError(f"s_kv must be a positive int or None, got {s_kv!r}")
+    if s_kv is not None and (not isinstance(s_kv, int) or isinstance(s_kv, bool) or not 1 <= s_kv <= NO_S_KV_BOUND):
+        raise ValueError(f"s_kv must be an int in [1, 2**31 - 1] or None, got {s_kv!r}")
     s_q, topk = indices.shape
     dev = indices.device
-    topk_length = check_topk_length(topk_length, s_q, dev)
+    topk_length = check_topk_length(topk_length, s_q, dev, topk)
+    source = plan_source(indices_arg, s_kv, topk_length_arg)
     thr = float(clip_threshold) * tile
 
     which = _planner_backend(dev, backend, tile, G, topk, s_kv, method)
-    # the kernel planners size their tables by the rows; without s_kv only negatives are invalid, so the
-    # largest row bounds them (one host sync)
-    rows_bound = s_kv if s_kv is not None or which == "torch" else (
-        int(indices.max().item()) + 1 if indices.numel() else 1)
+    # every planner's tables are sized by the group's entries, not by s_kv: no bound to find (no host sync)
     if which == "cuda":
         from .cuda_plan import plan_cuda
 
-        parts, valid_pairs = plan_cuda(indices, rows_bound, topk_length, G, M, tile, thr, importance_clip,
-                                       split_private)
+        parts, valid_pairs = plan_cuda(indices, s_kv, topk_length, G, M, tile, thr, importance_clip,
+                                       split_private, workspace=workspace)
     elif which == "triton":
         from .triton_plan import plan_triton
 
-        parts, valid_pairs = plan_triton(indices, rows_bound, topk_length, G, M, tile, thr, importance_clip, method,
-                                         split_private)
+        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method,
+                                         split_private, workspace=workspace)
     else:
-        masks, valid = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method=method)
-        idx, masks, valid = pad_to_groups(indices, G, -1), pad_to_groups(masks, G, 0), pad_to_groups(valid, G, False)
-        parts = _plan_torch(idx, valid, masks, G, M, tile, thr, importance_clip, split_private)
-        for k in ("dropped", "priv_idx", "priv_n"):
-            parts[k] = parts[k][:s_q] if parts[k] is not None else None
-        valid_pairs = valid.sum()
+        buf = plan_buffers(s_q, topk, G, M, tile, split_private, dev, filled=False, s_kv=s_kv, workspace=workspace)
+        valid = valid_index_mask(indices, s_kv if s_kv is not None else NO_S_KV_BOUND, topk_length)
+        idx, valid = pad_to_groups(indices, G, -1), pad_to_groups(valid, G, False)
+        masks, ids = group_masks(idx, valid, G, method)
+        parts = _plan_torch(idx, valid, masks, ids, G, M, tile, thr, importance_clip, split_private, buf)
+        valid_pairs = parts.pop("group_valid").sum(dtype=torch.int64)
     return Plan(s_q=s_q, topk=topk, s_kv=s_kv, group_size=G, tile=tile, clip_threshold=float(clip_threshold),
                 importance_clip=bool(importance_clip), merge_level=M, method=method,
                 split_private=bool(split_private), valid_pairs=valid_pairs,
-                **parts)
+                source=source, **parts)

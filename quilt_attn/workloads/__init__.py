@@ -6,11 +6,12 @@ ones. ``save_indices`` / ``load_indices`` move index tensors through ``.npy``, `
 ``.safetensors`` files.
 """
 from .generators import PRESETS, WORKLOADS, IndexerParams, generate, indexer_features, query_positions
-from .aligned import indexer_aligned_inputs
+from .aligned import INDEXER_WORKLOADS, indexer_aligned_inputs
 from .io import FORMATS, load_indices, save_indices
 
 __all__ = [
     "FORMATS",
+    "INDEXER_WORKLOADS",
     "PRESETS",
     "WORKLOADS",
     "IndexerParams",

@@ -13,6 +13,10 @@ import torch
 from .generators import PRESETS, IndexerParams, generate, indexer_features
 
 
+# the workloads ranked by the indexer score model (the others have no score for q / kv to follow)
+INDEXER_WORKLOADS: tuple[str, ...] = ("indexer", *PRESETS)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -36,7 +40,10 @@ def indexer_aligned_inputs(name: str, s_q: int, s_kv: int, topk: int, h: int, *,
 
     Returns ``q, kv, indices, sm_scale``.
     """
-    params = IndexerParams(**{**PRESETS[name], **overrides})
+    if name not in INDEXER_WORKLOADS:
+        raise ValueError(f"name must be 'indexer' or a preset ({', '.join(INDEXER_WORKLOADS[1:])}): q / kv follow "
+                         f"the indexer score model; got {name!r}")
+    params = IndexerParams(**{**PRESETS.get(name, {}), **overrides})
     u, k, bias = indexer_features(s_q, s_kv, params, seed)
     dim = params.dim
     rest = d_qk - dim - 1

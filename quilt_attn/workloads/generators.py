@@ -137,7 +137,15 @@ def _check_device(device) -> torch.device:
         return torch.device("cpu")
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:  # an unparsable name ("gpu", "cuda:x")
+        raise ValueError(f"device {device!r} is not a torch device: {err}") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index is not None and dev.index >= n):
+            raise ValueError(f"device {str(device)!r} is not available ({n} CUDA device(s) here)")
+    return dev
 
 
 def _only_params(name: str, params: dict, allowed: tuple[str, ...]) -> None:

@@ -3,30 +3,41 @@
 // The same plan as planner/plan.py (torch) and planner/triton_plan.py, computed in one pass over
 // the indices: each thread holds 16 consecutive entries of one member's list from load to tile write,
 // and every ordering question (the tail of a segment, a column's place in its tile) is a block-wide
-// prefix sum. The group's membership table is a byte a kv row in shared memory (member bits), so an
-// insert is one shared-memory OR and a lookup one byte load; Triton has no indexed shared memory, so
-// its planner keeps this table in global memory (L2). The rows that tile-aware clipping pushes down
-// (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level, block), except
-// at the merge level: a row pushed from there makes a column of the block's representative only.
+// prefix sum. The group's membership table is an open-addressing hash table in shared memory keyed by
+// kv row (1.5 slots an entry, so its size depends on the group's entries, never on s_kv: any slot id of
+// a paged pool plans alike). Each entry finds its row's slot once (a CAS, rarely a probe more) and from
+// then on carries the slot, so every later lookup is one byte load of the slot's member bits; the row
+// itself is read back from the slot's key when the tiles are written. The rows that tile-aware clipping
+// pushes down (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level,
+// block), except at the merge level: a row pushed from there makes a column of the block's
+// representative only.
+//
+// A row repeated inside one query's list: the occurrence whose OR found the member bit already set is an
+// entry of its own query alone (its mask is the query's own bit), so every entry counts once for its own
+// query and the partners see the row once.
 //
 // Plans whose merge level is the group (the defaults at 8, 16 and 32 heads) take a shorter path, kFlat
 // below: one lookup and one scan instead of levels, a clipping scan and a second lookup pass; at group 8
 // over lists of more than 512 entries its threads hold two runs of 16 entries, so that two CTAs fit an SM.
 //
-// Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384, and a context whose
-// table fits next to the group's entries (s_kv up to about 150K rows). Anything else runs the Triton
-// planner.
+// Scope: group sizes 1..8 (member bits in one byte), group_size * topk <= 16384 (the table's slots fit
+// in 15 bits), any kv row below 2^31 - 1. Anything else runs the Triton planner.
+//
+// Output: tile_mask null packs each column as row | member bits << 24 (s_kv < 2^24, padding -1);
+// otherwise tile_kv holds the row and tile_mask the member bits.
 
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
 
+#include "abi.cuh"
 namespace quilt_plan {
 
 struct PlanParams {
   const int* indices;      // [s_q, topk], row stride stride_idx
   const int* topk_length;  // [s_q] or null
   int* tile_kv;            // [n_groups, cap, tile], every slot written (past a group's tiles: -1)
-  int* tile_mask;          // [n_groups, cap, tile], every slot written (past a group's tiles: 0)
+  int* tile_mask;          // [n_groups, cap, tile], every slot written (past a group's tiles: 0); null: packed
   int* tile_level;         // [n_groups, cap], every slot written
   int* tile_members;       // [n_groups, cap], every slot written
   int* group_tiles;        // [n_groups]
@@ -38,12 +49,23 @@ struct PlanParams {
   long long stride_idx;
   int s_q, s_kv, topk, n_groups, cap, tile, merge, iclip, split;
   int log_flags;           // log2(slots of the pushed-row set)
+  int nslots;              // slots of the membership hash table (< kDup)
   float thr;               // clip_threshold * tile
 };
 
+// PlanParams' fields in order, for the library's layout table (quilt_plan_params_layout): Python's ctypes
+// mirror is tested against it field by field.
+#define QUILT_PLAN_PARAMS_FIELDS(X)                                                                         \
+  X(indices) X(topk_length) X(tile_kv) X(tile_mask) X(tile_level) X(tile_members) X(group_tiles) X(group_rows) \
+  X(group_valid) X(dropped) X(priv_idx) X(priv_n) X(stride_idx) X(s_q) X(s_kv) X(topk) X(n_groups) X(cap)     \
+  X(tile) X(merge) X(iclip) X(split) X(log_flags) X(nslots) X(thr)
+
 constexpr int kEpt = 16;          // list entries a thread
 constexpr int kMaxThreads = 1024;
-constexpr int kRowBits = 18;      // kv rows < 2^18 (the member table's shared memory bounds s_kv below that)
+// An entry's reference once its row is in the table: the slot, kDup for a repeated (query, row), -1 invalid.
+constexpr int kDup = 1 << 15;
+constexpr int kSlotMask = kDup - 1;
+constexpr int kPackShift = 24;    // packed column words: row | member bits << 24
 constexpr int kMaxSeg = 16;       // segments a group: 2G - 1 levels (+ G / M merged blocks), G <= 8
 static_assert(kMaxSeg <= 32, "the segment table keeps a segment a lane");
 
@@ -74,7 +96,45 @@ __device__ __forceinline__ void load_rows(const int4* src, int (&r)[kEpt]) {
     r[4 * i] = v.x, r[4 * i + 1] = v.y, r[4 * i + 2] = v.z, r[4 * i + 3] = v.w;
   }
 }
-__device__ __forceinline__ unsigned mask_of(const unsigned char* tab, int row) { return tab[row]; }
+// member bits of an entry: its slot's byte, its own bit alone for a repeat, 0 for an invalid entry (which
+// reads the spare byte at slot nslots, never set, so no branch skips the load)
+__device__ __forceinline__ unsigned mask_at(const unsigned char* tab, int ref, int spare, unsigned own) {
+  const unsigned m = tab[ref < 0 ? spare : (ref & kSlotMask)];
+  return ref < 0 ? 0u : (ref & kDup) ? own : m;
+}
+
+// The membership table: keys hold row + 1 (0: empty); home slot by a multiplicative hash scaled to nslots.
+__device__ __forceinline__ unsigned row_home(unsigned key, int nslots) {
+  return __umulhi(key * 2654435769u, static_cast<unsigned>(nslots));
+}
+
+// the column word a slot reference and its member bits stage as until the tiles are written
+__device__ __forceinline__ int stage_word(int ref, unsigned bits) {
+  return (ref & kSlotMask) | static_cast<int>(bits << 16);
+}
+__device__ __forceinline__ void put_column(int* kv_out, int* mask_out, const unsigned* keys, int d, int v) {
+  const int row = static_cast<int>(keys[v & 0xFFFF]) - 1, bits = v >> 16;
+  if (mask_out == nullptr) {
+    kv_out[d] = row | (bits << kPackShift);
+  } else {
+    kv_out[d] = row;
+    mask_out[d] = bits;
+  }
+}
+
+// run h of this thread's slot references (kH = 2 keeps two runs in the 16-bit halves of one int)
+template <int kH>
+__device__ __forceinline__ int ref_of(int raw, int h) {
+  if constexpr (kH == 1) return raw;
+  const int v = (raw >> (16 * h)) & 0xFFFF;
+  return v == 0xFFFF ? -1 : v;
+}
+template <int kH>
+__device__ __forceinline__ void load_refs(const int4* src, int h, int (&r)[kEpt]) {
+  load_rows(src, r);
+#pragma unroll
+  for (int i = 0; i < kEpt; ++i) r[i] = ref_of<kH>(r[i], h);
+}
 
 // The pushed-row set: open addressing over (row + 1) keys, a flag word per key.
 __device__ __forceinline__ unsigned flag_hash(int row, int log_flags) {
@@ -172,35 +232,38 @@ __device__ __forceinline__ int column_field(unsigned lvl, unsigned m, const Memb
   return (mb & (0u - mb)) == me.mlow ? 3 : -1;
 }
 
+// plan_kernel's stages, in order: load_entries, membership, cascade_levels (or flat_column_kinds), clip_tiles,
+// private_rows, column_counts, segments (with clip_flat), write_columns, write_tiles; the torch planner
+// (planner/plan.py) takes the same steps. Each stage compiles to the code it had inside one kernel body
+// (nvcc optimizes a stage before inlining it, so the stages are written for that): a parameter read under
+// a condition is loaded unconditionally (p.thr), and a value two stages need is computed once in the kernel.
+//
+// What every stage reads: the shared-memory areas (layout in plan_kernel), this thread's member and the
+// place of its entries in the member's list; an aggregate of values plan_kernel computes first, Member and
+// Blocks by reference (copies of them here changed the generated code). The parameters and the static
+// shared variables are arguments of their own.
+template <int G, bool kFlat, int kH>
+struct PlanCta {
+  unsigned char* smem;       // the dynamic shared memory
+  int tid, nt, tpm;          // thread, threads, threads a member
+  int4* my_rows;             // this thread's 16 ints of the rows area
+  unsigned* fkeys;           // the pushed-row set: keys, then flag words
+  unsigned* fvals;
+  unsigned* hkeys;           // the membership table: keys, then member bytes
+  int nslot, nkeys;
+  unsigned char* tab;
+  int k, j0, g, q;           // member, its first list entry of this thread, group, query
+  int M, T;                  // merge level, tile
+  const Member& me;
+  const Blocks<G>& blocks;
+};
 
-// kFlat: merge level == G >= 2, no importance clipping, no split (the default plans at 8, 16 and 32 heads).
-// There a row is either in every member's list (level G, a column of member 0) or in the merged segment,
-// where it is a column of its lowest owner; clipping can only move member 0's own level-G rows into the
-// merged segment. So one lookup an entry gives its column kind, and one scan places every column:
-// member 0's clipping is decided from the scan's totals and folded into its prefixes afterwards.
-// kH (kFlat only): a thread holds kH runs of 16 entries, run h at list position j0 + h * (16 * tpm). With
-// kH = 2 a group of 8 takes 512 threads instead of 1024, and its rows are read again from the list for the
-// tile writes instead of kept in shared memory, so two CTAs fit an SM (registers and shared memory).
-template <int G, bool kFlat, int kH = 1>
-__global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ unsigned long long wsum[2 * 32];
-  __shared__ int n_valid;
-  __shared__ unsigned pushed;  // flag bits of the (level, block)s that pushed rows down
-
-  // shared memory: [entries' rows, int, 16 a thread] [flag keys] [flag words] [member bits, a byte a kv row, + 1]
-  const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
-  int4* my_rows = reinterpret_cast<int4*>(smem) + (kEpt / 4) * tid;
-  unsigned* fkeys = reinterpret_cast<unsigned*>(smem + kEpt * 4 * nt);
-  unsigned* fvals = fkeys + (1 << p.log_flags);
-  unsigned char* tab = reinterpret_cast<unsigned char*>(fvals + (1 << p.log_flags));
-  const int k = tid / tpm, j0 = (tid - k * tpm) * kEpt;
-  const int g = blockIdx.x, q = g * G + k;
-  const int M = kFlat ? G : p.merge, T = p.tile;
-  const Member me(k, M);
-  const Blocks<G> blocks(k);
-
-  // this thread's list entries, loaded first: their latency runs under the table clear below
+// 0. this thread's list entries, loaded first: their latency runs under the clear of the pushed-row set
+//    and the membership table that follows
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void load_entries(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, int (&ent)[kH][kEpt],
+                                             int& n_valid, unsigned& pushed) {
+  const int q = c.q, tid = c.tid, nt = c.nt;
   const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
   int lim = 0;
   if (q < p.s_q) {
@@ -219,91 +282,129 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       for (int i = 0; i < kEpt; ++i) r[i] = j + i < lim ? __ldg(list + j + i) : -1;
     }
   };
-  const int run = tpm * kEpt;  // list entries between a thread's runs (kH > 1)
-  int ent[kH][kEpt];
+  const int run = c.tpm * kEpt;  // list entries between a thread's runs (kH > 1)
 #pragma unroll
-  for (int h = 0; h < kH; ++h) load16(j0 + h * run, ent[h]);
-  {  // clear the flag set and the member table (16-byte stores)
-    const int n16 = ((8 << p.log_flags) + p.s_kv + 1 + 15) / 16;  // (+1: the spare byte at row s_kv)
-    uint4* z = reinterpret_cast<uint4*>(fkeys);
+  for (int h = 0; h < kH; ++h) load16(c.j0 + h * run, ent[h]);
+  {  // clear the flag set and the membership table (16-byte stores)
+    const int n16 = ((8 << p.log_flags) + 4 * c.nkeys + c.nslot + 1 + 15) / 16;  // (+1: the spare byte at slot nslots)
+    uint4* z = reinterpret_cast<uint4*>(c.fkeys);
     for (int i = tid; i < n16; i += nt) z[i] = make_uint4(0u, 0u, 0u, 0u);
   }
   if (tid == 0) n_valid = 0, pushed = 0u;
   __syncthreads();
+}
 
-  // 1. membership: every valid entry ORs its member bit into its row's byte
-  unsigned long long lv = 0ull;  // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
-  unsigned long long lvh[kH] = {};   // kFlat: each run's column kinds, 4 bits an entry
-  unsigned mk[kH][kEpt / 4] = {};    // kFlat: the entries' member masks, a byte each
-  {
-    int (&rows)[kEpt] = ent[0];
-    int cnt = 0;
+// 1. membership: every valid entry finds (or claims) its row's slot, then ORs its member bit into the
+//    slot's byte; from here on an entry is its slot reference (ent[h][i]), also kept in the rows area
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, int (&ent)[kH][kEpt],
+                                           int& n_valid) {
+  const int k = c.k, tid = c.tid, nslot = c.nslot;
+  unsigned* hkeys = c.hkeys;
+  int4* my_rows = c.my_rows;
+  int cnt = 0;
 #pragma unroll
-    for (int h = 0; h < kH; ++h) {
+  for (int h = 0; h < kH; ++h) {
+    unsigned coll = 0u;  // entries whose home slot holds another row
 #pragma unroll
-      for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
-        const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
-        const int r = ok ? ent[h][i] : p.s_kv;
-        atomicOr(reinterpret_cast<unsigned*>(tab) + (r >> 2), ok ? 1u << (8 * (r & 3) + k) : 0u);
-        ent[h][i] = ok ? ent[h][i] : -1;
-        cnt += ok;
-      }
+    for (int i = 0; i < kEpt; ++i) {  // first probes, independent of each other
+      const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
+      const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
+      const unsigned w = ok ? atomicCAS(hkeys + row_home(key, nslot), 0u, key) : 0u;
+      coll |= static_cast<unsigned>(w != 0u && w != key) << i;
     }
-    // run 0's rows wait in shared memory (kH > 1: the other runs' stay in registers until their column kinds
-    // are known, and their tile writes read the list again)
 #pragma unroll
-    for (int i = 0; i < kEpt / 4; ++i) my_rows[i] = make_int4(rows[4 * i], rows[4 * i + 1], rows[4 * i + 2], rows[4 * i + 3]);
-#pragma unroll
-    for (int d = 16; d > 0; d /= 2) cnt += __shfl_xor_sync(0xFFFFFFFFu, cnt, d);
-    if ((tid & 31) == 0 && cnt) atomicAdd(&n_valid, cnt);
-    __syncthreads();
-
-    if constexpr (kFlat) {
-      // 2-5 at once: column kinds (0: level G, member 0; 3: merged, lowest owner; 15: no column)
-      // An invalid entry reads the table's spare byte (row s_kv, never set), so no branch skips the load.
-      constexpr unsigned kAll = (1u << G) - 1u;
-      const unsigned bit = 1u << k, f_all = k == 0 ? 0u : 15u;
-#pragma unroll
-      for (int h = 0; h < kH; ++h) {
-        int rr[kEpt];
-        if (kH > 1 && h == 0) {
-          load_rows(my_rows, rr);  // (frees run 0's registers across the barrier)
-        } else {
-#pragma unroll
-          for (int i = 0; i < kEpt; ++i) rr[i] = ent[h][i];
-        }
-#pragma unroll
-        for (int i = 0; i < kEpt; ++i) {
-          const unsigned m = mask_of(tab, rr[i] < 0 ? p.s_kv : rr[i]);
-          const unsigned f = m == kAll ? f_all : (m & (0u - m)) == bit ? 3u : 15u;
-          lvh[h] |= static_cast<unsigned long long>(f) << (4 * i);
-          mk[h][i / 4] |= m << (8 * (i % 4));
+    for (int i = 0; i < kEpt; ++i) {  // then each entry's slot; collisions probe on (rare at 1.5 slots an entry)
+      const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
+      const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
+      unsigned at = row_home(key, nslot);
+      if ((coll >> i) & 1u) {
+        for (;;) {
+          at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
+          const unsigned w = atomicCAS(hkeys + at, 0u, key);
+          if (w == 0u || w == key) break;
         }
       }
-    } else {
-      // 2. cascade levels from the member masks
+      ent[h][i] = ok ? static_cast<int>(at) : -1;
+    }
 #pragma unroll
-      for (int i = 0; i < kEpt; ++i) {
-        const unsigned l = blocks.level(mask_of(tab, max(rows[i], 0)));  // branch-free; invalid: level 0
-        lv |= static_cast<unsigned long long>(rows[i] >= 0 ? l : 0u) << (4 * i);
-      }
+    for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
+      const bool ok = ent[h][i] >= 0;
+      const int sl = ok ? ent[h][i] : nslot;
+      const unsigned sh = 8 * (sl & 3) + k;
+      const unsigned old = atomicOr(reinterpret_cast<unsigned*>(c.tab) + (sl >> 2), ok ? 1u << sh : 0u);
+      ent[h][i] = ok && ((old >> sh) & 1u) ? ent[h][i] | kDup : ent[h][i];
+      cnt += ok;
     }
   }
+  // the entries' references wait in shared memory (kH = 2: run 0 in the low, run 1 in the high 16 bits)
+#pragma unroll
+  for (int i = 0; i < kEpt / 4; ++i) {
+    int v[4];
+#pragma unroll
+    for (int c4 = 0; c4 < 4; ++c4) {
+      v[c4] = kH == 1 ? ent[0][4 * i + c4] : (ent[0][4 * i + c4] & 0xFFFF) | (ent[kH - 1][4 * i + c4] << 16);
+    }
+    my_rows[i] = make_int4(v[0], v[1], v[2], v[3]);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) cnt += __shfl_xor_sync(0xFFFFFFFFu, cnt, d);
+  if ((tid & 31) == 0 && cnt) atomicAdd(&n_valid, cnt);
+  __syncthreads();
+}
 
-  // 3. tile-aware clipping, top level first: a block's representative (its first member) pushes the
-  //    r lowest-ranked rows of its level-L segment down when r = n % T is below the threshold; the
-  //    other members learn which rows moved from the pushed-row set
-  int e = 0, scans = 0;  // (member scans so far: their wsum half)
+// 2-5 at once (kFlat): each entry's column kind (0: level G, member 0; 3: merged, lowest owner; 15: no
+// column), 4 bits an entry in lvh[h], and its member mask, a byte an entry in mk[h]
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void flat_column_kinds(const PlanCta<G, kFlat, kH>& c, unsigned own,
+                                                  unsigned long long (&lvh)[kH], unsigned (&mk)[kH][kEpt / 4]) {
+  constexpr unsigned kAll = (1u << G) - 1u;
+  const unsigned bit = own, f_all = c.k == 0 ? 0u : 15u;
+#pragma unroll
+  for (int h = 0; h < kH; ++h) {
+    int rr[kEpt];
+    load_refs<kH>(c.my_rows, h, rr);  // (frees the entries' registers across the barrier)
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {
+      const unsigned m = mask_at(c.tab, rr[i], c.nslot, own);
+      const unsigned f = m == kAll ? f_all : (m & (0u - m)) == bit ? 3u : 15u;
+      lvh[h] |= static_cast<unsigned long long>(f) << (4 * i);
+      mk[h][i / 4] |= m << (8 * (i % 4));
+    }
+  }
+}
+
+// 2. cascade levels from the member masks: each entry's level, 4 bits an entry in lv (invalid: 0)
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void cascade_levels(const PlanCta<G, kFlat, kH>& c, unsigned own, const int (&ent)[kH][kEpt],
+                                               unsigned long long& lv) {
+#pragma unroll
+  for (int i = 0; i < kEpt; ++i) {
+    const unsigned l = c.blocks.level(mask_at(c.tab, ent[0][i], c.nslot, own));  // invalid: level 0
+    lv |= static_cast<unsigned long long>(ent[0][i] >= 0 ? l : 0u) << (4 * i);
+  }
+}
+
+// 3. tile-aware clipping, top level first: a block's representative (its first member) pushes the
+//    r lowest-ranked rows of its level-L segment down when r = n % T is below the threshold; the
+//    other members learn which rows moved from the pushed-row set. `scans`: member scans so far.
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ int clip_tiles(const PlanParams& p, const PlanCta<G, kFlat, kH>& c,
+                                          unsigned long long (&wsum)[2 * 32], unsigned& pushed, unsigned long long& lv,
+                                          int scans) {
+  const int k = c.k, tid = c.tid, tpm = c.tpm, M = c.M, T = c.T;
+  int e = 0;
 #pragma unroll 1
   for (int L = G; !kFlat && L >= 2 && L >= M; L /= 2, ++e) {
-    unsigned c = 0;
+    const float thr = p.thr;  // (loaded unconditionally: the load is hoisted out of the loop)
+    unsigned cnt = 0;
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) c += get_lvl(lv, i) == static_cast<unsigned>(L);
+    for (int i = 0; i < kEpt; ++i) cnt += get_lvl(lv, i) == static_cast<unsigned>(L);
     unsigned long long tot;
-    const unsigned pos0 = static_cast<unsigned>(member_scan(c, k, tpm, wsum, scans++ & 1, tot));
+    const unsigned pos0 = static_cast<unsigned>(member_scan(cnt, k, tpm, wsum, scans++ & 1, tot));
     const unsigned fbit = 1u << ((1 << e) - 1 + (k >> ilog2(L)));  // flag of (level, block)
     const unsigned n = static_cast<unsigned>(tot), r = n % T;
-    const bool push = (k & (L - 1)) == 0 && r > 0u && static_cast<float>(r) < p.thr;
+    const bool push = (k & (L - 1)) == 0 && r > 0u && static_cast<float>(r) < thr;
     if (L == M) {
       // Pushed below the merge level, a row joins the block's merged segment, where its column belongs to
       // its lowest owner: the representative, who moves its own entries. The other members' entries of
@@ -320,14 +421,14 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       }
     } else if (__syncthreads_or(push)) {
       int rows[kEpt];
-      load_rows(my_rows, rows);
+      load_rows(c.my_rows, rows);
       if (push) {
         if (tid % tpm == 0) atomicOr(&pushed, fbit);
         unsigned pos = pos0;
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) {
           if (get_lvl(lv, i) == static_cast<unsigned>(L)) {
-            if (pos >= n - r) flag_set(fkeys, fvals, p.log_flags, rows[i], fbit);
+            if (pos >= n - r) flag_set(c.fkeys, c.fvals, p.log_flags, rows[i] & kSlotMask, fbit);
             ++pos;
           }
         }
@@ -336,63 +437,75 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       if (pushed & fbit) {  // (only the members of a block that pushed have rows to move)
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) {
-          if (get_lvl(lv, i) == static_cast<unsigned>(L) && (flag_get(fkeys, fvals, p.log_flags, rows[i]) & fbit)) {
+          if (get_lvl(lv, i) == static_cast<unsigned>(L) &&
+              (flag_get(c.fkeys, c.fvals, p.log_flags, rows[i] & kSlotMask) & fbit)) {
             set_lvl(lv, i, L / 2);
           }
         }
       }
     }
   }
+  return scans;
+}
 
-  int rows[kEpt];
-  if constexpr (!kFlat) load_rows(my_rows, rows);
-  // 4. private rows: importance-aware clipping drops the lowest-ranked r; split lists the rest per query
-  if (!kFlat && (p.iclip || p.split)) {
-    unsigned pmask = 0u;
+// 4. private rows: importance-aware clipping drops the lowest-ranked r; split lists the rest per query
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void private_rows(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, unsigned own,
+                                             unsigned long long (&wsum)[2 * 32], const int (&rows)[kEpt],
+                                             unsigned long long& lv, int& scans) {
+  const int q = c.q, M = c.M, T = c.T;
+  unsigned pmask = 0u;
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      const unsigned l = get_lvl(lv, i);
-      bool priv;
-      if (M == 1) {
-        priv = l == 1u;
-      } else {
-        const unsigned mb = rows[i] < 0 ? 0u : me.merge_bits(mask_of(tab, rows[i]));
-        priv = l > 0u && static_cast<int>(l) < M && (mb & (mb - 1u)) == 0u;
-      }
-      pmask |= static_cast<unsigned>(priv) << i;
+  for (int i = 0; i < kEpt; ++i) {
+    const unsigned l = get_lvl(lv, i);
+    bool priv;
+    if (M == 1) {
+      priv = l == 1u;
+    } else {
+      const unsigned mb = c.me.merge_bits(mask_at(c.tab, rows[i], c.nslot, own));
+      priv = l > 0u && static_cast<int>(l) < M && (mb & (mb - 1u)) == 0u;
     }
-    unsigned long long tot;
-    unsigned pos = static_cast<unsigned>(member_scan(__popc(pmask), k, tpm, wsum, scans++ & 1, tot));
-    const unsigned n = static_cast<unsigned>(tot), r = n % T;
-    const bool clip = p.iclip && r > 0u && static_cast<float>(r) < p.thr;
-    const unsigned keep_n = n - (clip ? r : 0u);
+    pmask |= static_cast<unsigned>(priv) << i;
+  }
+  unsigned long long tot;
+  unsigned pos = static_cast<unsigned>(member_scan(__popc(pmask), c.k, c.tpm, wsum, scans++ & 1, tot));
+  const unsigned n = static_cast<unsigned>(tot), r = n % T;
+  const bool clip = p.iclip && r > 0u && static_cast<float>(r) < p.thr;
+  const unsigned keep_n = n - (clip ? r : 0u);
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      if ((pmask >> i) & 1u) {
-        if (pos >= keep_n) {
-          set_lvl(lv, i, 0u);
-        } else if (p.split) {
-          p.priv_idx[static_cast<long long>(q) * p.topk + pos] = rows[i];
-          set_lvl(lv, i, 15u);  // in no tile
-        }
-        ++pos;
+  for (int i = 0; i < kEpt; ++i) {
+    if ((pmask >> i) & 1u) {
+      if (pos >= keep_n) {
+        set_lvl(lv, i, 0u);
+      } else if (p.split) {
+        p.priv_idx[static_cast<long long>(q) * p.topk + pos] = static_cast<int>(c.hkeys[rows[i] & kSlotMask]) - 1;
+        set_lvl(lv, i, 15u);  // in no tile
       }
-    }
-    if (tid % tpm == 0 && q < p.s_q) {
-      if (p.iclip) p.dropped[q] = static_cast<int>(n - keep_n);
-      if (p.split) p.priv_n[q] = static_cast<int>(keep_n);
+      ++pos;
     }
   }
+  if (c.tid % c.tpm == 0 && q < p.s_q) {
+    if (p.iclip) p.dropped[q] = static_cast<int>(n - keep_n);
+    if (p.split) p.priv_n[q] = static_cast<int>(keep_n);
+  }
+}
 
-  // 5. segments: columns counted per member and kind, then placed by prefix sums
+// 5a. columns counted per member and kind: c64 holds this thread's count of each kind in a 16-bit field
+//     (kFlat, kH = 1: fields 0 and 3, level G and merged; kH = 2: field 2h + (merged) for run h); the
+//     non-flat path turns lv into each entry's column kind on the way (15: no column)
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ unsigned long long column_counts(const PlanCta<G, kFlat, kH>& c, unsigned own,
+                                                            const int (&rows)[kEpt],
+                                                            const unsigned long long (&lvh)[kH],
+                                                            unsigned long long& lv) {
   unsigned long long c64 = 0ull;
   if constexpr (!kFlat) {
     unsigned kinds = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // from here on lv holds each entry's column kind (15: no column)
       const unsigned l = get_lvl(lv, i);
-      const unsigned m = mask_of(tab, max(rows[i], 0));
-      const int f = column_field<G>(l, m, me);
+      const unsigned m = mask_at(c.tab, rows[i], c.nslot, own);
+      const int f = column_field<G>(l, m, c.me);
       kinds |= (f < 0 ? 15u : static_cast<unsigned>(f)) << (4 * (i % 8));
       if (i % 8 == 7) {
         lv = (lv & ~(0xFFFFFFFFull << (4 * (i - 7)))) | (static_cast<unsigned long long>(kinds) << (4 * (i - 7)));
@@ -400,7 +513,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       }
     }
   }
-  if constexpr (kFlat) {  // kH = 1: fields 0 and 3 (level G, merged); kH = 2: field 2h + (merged) for run h
+  if constexpr (kFlat) {
 #pragma unroll
     for (int h = 0; h < kH; ++h) {
       c64 |= static_cast<unsigned long long>(count_nibbles(lvh[h], 0)) << (16 * (kH == 1 ? 0 : 2 * h));
@@ -410,16 +523,83 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 #pragma unroll
     for (int ff = 0; ff < 4; ++ff) c64 |= static_cast<unsigned long long>(count_nibbles(lv, ff)) << (16 * ff);
   }
+  return c64;
+}
+
+// kFlat: each run's columns before it in rank order (pos0: level G, pos3: merged) and its counts
+template <int kH>
+struct FlatRuns {
+  unsigned pos0[kH] = {}, pos3[kH] = {}, cnt0[kH] = {}, cnt3[kH] = {};
+};
+
+// The group's segments (levels G .. M by block, then the merged blocks), lane j of every warp holding
+// segment j: its columns n, first tile, end tile incl, level and member bits; and this thread's place.
+struct Segments {
+  unsigned long long mine;  // this member's columns before this thread's, by kind (16-bit fields)
+  int n_lev, ns;            // level fields 0 .. n_lev - 1 (merged: field 3); segments
+  int n, lvl, bits;         // lane's segment: columns, level, member bits
+  int my_mstart;            // this thread's member's first column inside its block's merged segment
+  int first, incl;          // lane's segment: first tile, last tile + 1
+  int n_tiles;              // the group's tiles
+};
+
+// 5b (kFlat). tile-aware clipping of the level-G segment (member 0's kind-0 columns, n of them): its last
+//     r = n % T rows by rank move to member 0's merged columns, so every count and prefix of member 0
+//     moves by what lies past the cut. mt: lane j < G holds member j's column counts by kind.
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void clip_flat(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, unsigned long long& mt,
+                                          int lane, FlatRuns<kH>& fr, unsigned long long (&lvh)[kH]) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  const int T = c.T;
+  unsigned(&pos0)[kH] = fr.pos0;
+  unsigned(&pos3)[kH] = fr.pos3;
+  unsigned(&cnt0)[kH] = fr.cnt0;
+  unsigned(&cnt3)[kH] = fr.cnt3;
+  const unsigned n0 = field(__shfl_sync(kFull, mt, 0), 0), r0 = n0 % T, cut = n0 - r0;
+  const float thr = p.thr;
+  if (r0 > 0u && static_cast<float>(r0) < thr) {  // (block-uniform)
+    if (lane == 0) mt += (static_cast<unsigned long long>(r0) << 48) - r0;
+    if (c.k == 0) {
+#pragma unroll
+      for (int h = 0; h < kH; ++h) {
+        unsigned pos = pos0[h], moved = 0u;
+#pragma unroll
+        for (int i = 0; i < kEpt; ++i) {
+          if (get_lvl(lvh[h], i) == 0u) {
+            if (pos >= cut) set_lvl(lvh[h], i, 3u), ++moved;
+            ++pos;
+          }
+        }
+        const unsigned past = pos0[h] > cut ? pos0[h] - cut : 0u;
+        pos0[h] -= past, pos3[h] += past, cnt0[h] -= moved, cnt3[h] += moved;
+      }
+    }
+  }
+}
+
+// 5. segments: the columns placed by prefix sums. A member scan gives this thread's columns before it;
+//    the segment table (a lane a segment) is built by every warp itself from the scan's warp totals (in
+//    wsum since the scan's barrier), so no barrier waits for one warp to publish it. Shuffle sources are
+//    warp-uniform or per lane; every lane runs every shuffle. Writes the group's tile, row and valid counts.
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ Segments segments(const PlanParams& p, const PlanCta<G, kFlat, kH>& c,
+                                             unsigned long long (&wsum)[2 * 32], const int& n_valid,
+                                             unsigned long long c64, int& scans, FlatRuns<kH>& fr,
+                                             unsigned long long (&lvh)[kH]) {
+  const int k = c.k, tid = c.tid, tpm = c.tpm, M = c.M, T = c.T, g = c.g;
+  unsigned(&pos0)[kH] = fr.pos0;
+  unsigned(&pos3)[kH] = fr.pos3;
+  unsigned(&cnt0)[kH] = fr.cnt0;
+  unsigned(&cnt3)[kH] = fr.cnt3;
+  Segments sg;
   unsigned long long tot64;
   // this member's columns before mine
   unsigned long long mine = member_scan(c64, k, tpm, wsum, scans++ & 1, tot64);
-  // The segment table (levels G .. M by block, then the merged blocks), a lane a segment: every warp builds
-  // it itself from the scan's warp totals (in wsum since the scan's barrier), so no barrier waits for one
-  // warp to publish it. Shuffle sources are warp-uniform or per lane; every lane runs every shuffle.
+  sg.mine = mine;
   constexpr unsigned kFull = 0xFFFFFFFFu;
-  constexpr int kLevels = ilog2_c(G) + 1;
   const int n_lev = ilog2(G) - ilog2(M) + 1;  // level fields 0 .. n_lev - 1; merged: field 3
   const int lane = tid & 31, n_lvl_seg = (1 << n_lev) - 1, ns = n_lvl_seg + (M > 1 ? G / M : 0);
+  sg.n_lev = n_lev, sg.ns = ns;
   unsigned long long mt = 0ull;  // lane j < G: member j's column counts by kind
   {
     const unsigned long long* ws = wsum + 32 * ((scans - 1) & 1);
@@ -428,8 +608,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       for (int w = 0; w < wpm; ++w) mt += ws[lane * wpm + w];
     }
   }
-  // kFlat: each run's columns before it in rank order (pos0: level G, pos3: merged) and its counts
-  unsigned pos0[kH] = {}, pos3[kH] = {}, cnt0[kH] = {}, cnt3[kH] = {};
   if constexpr (kFlat) {
     if constexpr (kH == 1) {
       pos0[0] = field(mine, 0), pos3[0] = field(mine, 3), cnt0[0] = field(c64, 0), cnt3[0] = field(c64, 3);
@@ -443,28 +621,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       }
       if (lane < G) mt = (field(mt, 0) + field(mt, 2)) | static_cast<unsigned long long>(field(mt, 1) + field(mt, 3)) << 48;
     }
-    // tile-aware clipping of the level-G segment (member 0's kind-0 columns, n of them): its last
-    // r = n % T rows by rank move to member 0's merged columns, so every count and prefix of member 0
-    // moves by what lies past the cut
-    const unsigned n0 = field(__shfl_sync(kFull, mt, 0), 0), r0 = n0 % T, cut = n0 - r0;
-    if (r0 > 0u && static_cast<float>(r0) < p.thr) {  // (block-uniform)
-      if (lane == 0) mt += (static_cast<unsigned long long>(r0) << 48) - r0;
-      if (k == 0) {
-#pragma unroll
-        for (int h = 0; h < kH; ++h) {
-          unsigned pos = pos0[h], moved = 0u;
-#pragma unroll
-          for (int i = 0; i < kEpt; ++i) {
-            if (get_lvl(lvh[h], i) == 0u) {
-              if (pos >= cut) set_lvl(lvh[h], i, 3u), ++moved;
-              ++pos;
-            }
-          }
-          const unsigned past = pos0[h] > cut ? pos0[h] - cut : 0u;
-          pos0[h] -= past, pos3[h] += past, cnt0[h] -= moved, cnt3[h] += moved;
-        }
-      }
-    }
+    clip_flat(p, c, mt, lane, fr, lvh);
   }
   const bool lvl_lane = lane < n_lvl_seg, mrg_lane = lane >= n_lvl_seg && lane < ns;
   const int sf = lvl_lane ? ilog2(lane + 1) : 0, sb = lvl_lane ? lane + 1 - (1 << sf) : lane - n_lvl_seg;
@@ -514,25 +671,46 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       p.group_valid[g] = n_valid;
     }
   }
+  sg.n = n, sg.lvl = lvl, sg.bits = bits, sg.my_mstart = my_mstart;
+  sg.first = first, sg.incl = incl, sg.n_tiles = n_tiles;
+  return sg;
+}
 
-  // A segment's tiles are contiguous, so its column pos lands at slot (segment's first tile) * T + pos.
-  const long long gbase = static_cast<long long>(g) * p.cap;
+// 6a. the columns: a segment's tiles are contiguous, so its column pos lands at slot (segment's first
+//     tile) * T + pos. Columns leave through this warp's 512-int stretch of the rows area (its references
+//     are in registers now): a warp lies inside one member's list, so each kind's columns of the warp
+//     fill one contiguous range of slots; staged there in order, they are written with whole-warp
+//     (coalesced) stores.
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, unsigned own,
+                                              long long gbase, const Segments& sg,
+                                              const FlatRuns<kH>& fr, const unsigned long long (&lvh)[kH],
+                                              const unsigned (&mk)[kH][kEpt / 4], unsigned long long lv,
+                                              int (&rows)[kEpt], unsigned long long c64) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  constexpr int kLevels = ilog2_c(G) + 1;
+  const int k = c.k, tid = c.tid, M = c.M, T = c.T, lane = tid & 31;
+  const int nslot = c.nslot, n_lev = sg.n_lev, my_mstart = sg.my_mstart;
+  const int first = sg.first, bits = sg.bits;
+  const unsigned long long mine = sg.mine;
+  const unsigned(&pos0)[kH] = fr.pos0;
+  const unsigned(&pos3)[kH] = fr.pos3;
+  const unsigned(&cnt0)[kH] = fr.cnt0;
+  const unsigned(&cnt3)[kH] = fr.cnt3;
+  const Member& me = c.me;
+  unsigned* hkeys = c.hkeys;
   int* kv_out = p.tile_kv + gbase * T;
-  int* mask_out = p.tile_mask + gbase * T;
-  // Columns leave through this warp's 512-int stretch of the rows area (its rows are in registers now):
-  // a warp lies inside one member's list, so each kind's columns of the warp fill one contiguous range
-  // of slots; staged there in order, they are written with whole-warp (coalesced) stores.
-  int* stage = reinterpret_cast<int*>(smem) + (tid - lane) * kEpt;
+  int* mask_out = p.tile_mask == nullptr ? nullptr : p.tile_mask + gbase * T;
+  int* stage = reinterpret_cast<int*>(c.smem) + (tid - lane) * kEpt;
   if constexpr (kFlat) {  // run by run: two kinds, one pass; an entry's member bits are its mask
     const int off0 = __shfl_sync(kFull, first, 0) * T, off3 = __shfl_sync(kFull, first, 1) * T + my_mstart;
+    int raw[kEpt];  // every run's slot references, read before the staging below overwrites them
+    load_rows(c.my_rows, raw);
 #pragma unroll
     for (int h = 0; h < kH; ++h) {
-      int rows[kEpt];  // (an entry with a column is valid: a list read again needs no checks)
-      if (h == 0) {
-        load_rows(my_rows, rows);
-      } else {
-        load16(j0 + h * run, rows);
-      }
+      int rr[kEpt];  // (an entry with a column is valid)
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) rr[i] = ref_of<kH>(raw[i], h);
       const int d0 = off0 + static_cast<int>(pos0[h]), d3 = off3 + static_cast<int>(pos3[h]);
       const int w0 = static_cast<int>(__reduce_add_sync(kFull, cnt0[h]));
       const int w3 = static_cast<int>(__reduce_add_sync(kFull, cnt3[h]));
@@ -543,7 +721,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) {
         const unsigned f = get_lvl(lvh[h], i);
-        const int v = rows[i] | static_cast<int>(((mk[h][i / 4] >> (8 * (i % 4))) & 0xFFu) << kRowBits);
+        const int v = stage_word(rr[i], (mk[h][i / 4] >> (8 * (i % 4))) & 0xFFu);
         if (f == 0u) *p0++ = v;
         if (f == 3u) *p3++ = v;
       }
@@ -551,13 +729,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       for (int x = lane; x < w0 + w3; x += 32) {
         const int v = stage[x];
         const int d = x < w0 ? s0 + x : s3 + (x - w0);
-        kv_out[d] = v & ((1 << kRowBits) - 1);
-        mask_out[d] = v >> kRowBits;
+        put_column(kv_out, mask_out, hkeys, d, v);
       }
     }
   } else {
-    load_rows(my_rows, rows);  // reloaded, not held in registers across the scan
-    int dst[4], fbits[4];      // next slot of this thread's columns and their member bits, per kind
+    load_rows(c.my_rows, rows);  // reloaded, not held in registers across the scan
+    int dst[4], fbits[4];        // next slot of this thread's columns and their member bits, per kind
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
       int sid = -1, extra = 0;
@@ -589,13 +766,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     for (int f = 0; f < 4; ++f) {
       if (wcnt[f] == 0) continue;  // (warp-uniform)
       int* sp = stage + local[f];
-      const int fb = fbits[f] << kRowBits;
+      const unsigned fb = static_cast<unsigned>(fbits[f]);
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) {
         if (get_lvl(lv, i) == static_cast<unsigned>(f)) {
-          int b = fb;
-          if (f == 3 && merged3) b = static_cast<int>(me.merge_bits(mask_of(tab, rows[i])) << me.mshift) << kRowBits;
-          *sp++ = rows[i] | b;  // rows < 2^18, member bits <= 8
+          unsigned b = fb;
+          if (f == 3 && merged3) b = me.merge_bits(mask_at(c.tab, rows[i], nslot, own)) << me.mshift;
+          *sp++ = stage_word(rows[i], b);
         }
       }
     }
@@ -606,21 +783,30 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       for (int f = 0; f < 4; ++f) {
         for (int x = lane; x < wcnt[f]; x += 32) {
           const int v = stage[acc + x];
-          kv_out[wstart[f] + x] = v & ((1 << kRowBits) - 1);
-          mask_out[wstart[f] + x] = v >> kRowBits;
+          put_column(kv_out, mask_out, hkeys, wstart[f] + x, v);
         }
         acc += wcnt[f];
       }
     }
   }
-  // padding slots of each segment's last tile (a warp a segment), and every tile's level / block
+}
+
+// 6b. the rest of the tiles: padding slots of each segment's last tile (a warp a segment), the tiles past
+//     the group's last (kv -1, mask 0), and every tile's level and member bits
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void write_tiles(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, long long gbase,
+                                            const Segments& sg) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  const int tid = c.tid, nt = c.nt, T = c.T, lane = tid & 31;
+  const int ns = sg.ns, n = sg.n, first = sg.first, incl = sg.incl, n_tiles = sg.n_tiles;
+  const int lvl = sg.lvl, bits = sg.bits;
   const int warp = tid >> 5, n_warps = nt >> 5;
   for (int s = warp; s < ns; s += n_warps) {  // (warp-uniform)
     const int sn = __shfl_sync(kFull, n, s), s0 = __shfl_sync(kFull, first, s), s1 = __shfl_sync(kFull, incl, s);
     for (int pp = sn + lane; pp < (s1 - s0) * T; pp += 32) {
       const long long d = (gbase + s0) * T + pp;
       p.tile_kv[d] = -1;
-      p.tile_mask[d] = 0;
+      if (p.tile_mask != nullptr) p.tile_mask[d] = 0;
     }
   }
   // the tiles past the group's last: kv -1, mask 0 (the Plan's contract; the buffers come uninitialized,
@@ -629,15 +815,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
     const long long from = (gbase + n_tiles) * T, nfill = static_cast<long long>(p.cap - n_tiles) * T;
     if (T % 4 == 0) {  // 16-byte aligned: (gbase + tiles) * T ints
       int4* kz = reinterpret_cast<int4*>(p.tile_kv + from);
-      int4* mz = reinterpret_cast<int4*>(p.tile_mask + from);
+      int4* mz = p.tile_mask == nullptr ? nullptr : reinterpret_cast<int4*>(p.tile_mask + from);
       for (long long i = tid; i < nfill / 4; i += nt) {
         kz[i] = make_int4(-1, -1, -1, -1);
-        mz[i] = make_int4(0, 0, 0, 0);
+        if (mz != nullptr) mz[i] = make_int4(0, 0, 0, 0);
       }
     } else {
       for (long long i = tid; i < nfill; i += nt) {
         p.tile_kv[from + i] = -1;
-        p.tile_mask[from + i] = 0;
+        if (p.tile_mask != nullptr) p.tile_mask[from + i] = 0;
       }
     }
   }
@@ -654,6 +840,63 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_const
       p.tile_members[gbase + t] = tb;
     }
   }
+}
+
+// kFlat: merge level == G >= 2, no importance clipping, no split (the default plans at 8, 16 and 32 heads).
+// There a row is either in every member's list (level G, a column of member 0) or in the merged segment,
+// where it is a column of its lowest owner; clipping can only move member 0's own level-G rows into the
+// merged segment. So one lookup an entry gives its column kind, and one scan places every column:
+// member 0's clipping is decided from the scan's totals and folded into its prefixes afterwards.
+// kH (kFlat only): a thread holds kH runs of 16 entries, run h at list position j0 + h * (16 * tpm). With
+// kH = 2 a group of 8 takes 512 threads instead of 1024, and the two runs' slot references share the ints of
+// the rows area (16 bits each), so the rows area is halved.
+template <int G, bool kFlat, int kH = 1>
+__global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ unsigned long long wsum[2 * 32];
+  __shared__ int n_valid;
+  __shared__ unsigned pushed;  // flag bits of the (level, block)s that pushed rows down
+
+  // shared memory: [entries' slot references, int, 16 a thread] [flag keys] [flag words]
+  //                [table keys, nslots + 1 rounded to 4] [member bits, a byte a slot + a spare, rounded to 16]
+  const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
+  int4* my_rows = reinterpret_cast<int4*>(smem) + (kEpt / 4) * tid;
+  unsigned* fkeys = reinterpret_cast<unsigned*>(smem + kEpt * 4 * nt);
+  unsigned* fvals = fkeys + (1 << p.log_flags);
+  unsigned* hkeys = fvals + (1 << p.log_flags);
+  const int nslot = p.nslots, nkeys = (nslot + 1 + 3) & ~3;
+  unsigned char* tab = reinterpret_cast<unsigned char*>(hkeys + nkeys);
+  const int k = tid / tpm, j0 = (tid - k * tpm) * kEpt;
+  const int g = blockIdx.x, q = g * G + k;
+  const int M = kFlat ? G : p.merge, T = p.tile;
+  const Member me(k, M);
+  const Blocks<G> blocks(k);
+  const PlanCta<G, kFlat, kH> c{smem, tid, nt, tpm, my_rows, fkeys, fvals, hkeys, nslot,
+                                nkeys, tab, k, j0, g, q, M, T, me, blocks};
+
+  int ent[kH][kEpt];
+  load_entries(p, c, ent, n_valid, pushed);
+  unsigned long long lv = 0ull;     // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
+  unsigned long long lvh[kH] = {};  // kFlat: each run's column kinds, 4 bits an entry
+  unsigned mk[kH][kEpt / 4] = {};   // kFlat: the entries' member masks, a byte each
+  const unsigned own = 1u << k;
+  membership(p, c, ent, n_valid);
+  if constexpr (kFlat) {
+    flat_column_kinds(c, own, lvh, mk);
+  } else {
+    cascade_levels(c, own, ent, lv);
+  }
+  int scans = 0;  // member scans so far: their wsum half
+  if constexpr (!kFlat) scans = clip_tiles(p, c, wsum, pushed, lv, scans);
+  int rows[kEpt];  // (non-flat) the entries' slot references again, from the rows area
+  if constexpr (!kFlat) load_rows(my_rows, rows);
+  if (!kFlat && (p.iclip || p.split)) private_rows(p, c, own, wsum, rows, lv, scans);
+  const unsigned long long c64 = column_counts(c, own, rows, lvh, lv);
+  FlatRuns<kH> fr;
+  const Segments sg = segments(p, c, wsum, n_valid, c64, scans, fr, lvh);
+  const long long gbase = static_cast<long long>(g) * p.cap;
+  write_columns(p, c, own, gbase, sg, fr, lvh, mk, lv, rows, c64);
+  write_tiles(p, c, gbase, sg);
 }
 
 template <int G>
@@ -674,13 +917,22 @@ int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+// PlanParams' fields in order and their byte offsets (quilt_plan_params_layout)
+#define QUILT_OFFSET_OF(f) QUILT_ABI_FIELD_OFFSET(PlanParams, f)
+constexpr char kPlanParamsFields[] = QUILT_PLAN_PARAMS_FIELDS(QUILT_ABI_FIELD_NAME);
+constexpr int kPlanParamsOffsets[] = {QUILT_PLAN_PARAMS_FIELDS(QUILT_OFFSET_OF)};
+#undef QUILT_OFFSET_OF
+static_assert(quilt_abi::rising(kPlanParamsOffsets, sizeof(kPlanParamsOffsets) / sizeof(int)),
+              "QUILT_PLAN_PARAMS_FIELDS: declaration order");
+
 }  // namespace quilt_plan
 
 extern "C" {
 
 // threads = group_size * topk padded / 16 (a multiple of 32, <= 1024);
-// smem = 64 bytes a thread (its 16 rows, later its columns) + the pushed-row set (8 bytes a slot) + the
-// member table (a byte a kv row and a spare byte, rounded up to 16)
+// smem = 64 bytes a thread (its 16 slot references, later its columns) + the pushed-row set (8 bytes a slot)
+// + the membership table (nslots + 1 keys rounded to 4, then a byte a slot and a spare byte, rounded to 16):
+// cuda_backend.plan_launch_shape
 int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threads, int smem, void* stream) {
   using namespace quilt_plan;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -697,5 +949,9 @@ int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threa
 }
 
 int quilt_plan_params_size() { return static_cast<int>(sizeof(quilt_plan::PlanParams)); }
+// PlanParams' layout (the ABI test checks Python's ctypes mirror against it), as quilt_sm90_params_layout
+int quilt_plan_params_layout(const char** names, int* offsets, int cap) {
+  return quilt_abi::copy_layout(quilt_plan::kPlanParamsFields, quilt_plan::kPlanParamsOffsets, names, offsets, cap);
+}
 
 }  // extern "C"

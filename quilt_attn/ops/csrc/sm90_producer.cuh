@@ -1,0 +1,185 @@
+// The sm_90a kernel's producer warpgroup: kv rows and q gathered into shared memory with cp.async.
+#pragma once
+#include "ptx.cuh"
+#include "sm90_config.cuh"
+#include "sm90_measure.cuh"
+#include "sm90_program.cuh"
+
+namespace quilt_sm90 {
+using namespace quilt_ptx;
+
+// Warpgroup 2 gathers: 8 threads cover one row's 128-byte chunk (a warp request = 4 whole chunks),
+// thread group g (0..15) owns slots g, g+16, g+32, g+48 of both tiles of a block. Halves go in
+// the order the consumers need them: buffer 0 half 0, buffer 1 half 1, buffer 0 half 1, buffer 1
+// half 0 (warpgroup 0 starts QK on chunks 0-3, warpgroup 1 on chunks 4-8). A ready barrier counts
+// 128 plain arrivals (after the member bits are stored) and 128 copy-completion arrivals.
+//
+// The slot loads run ahead so that their latency stays off the producer's path (profiled: with
+// each block's rows loaded and checked just before its copies, both consumer warpgroups spent most
+// of their time waiting for the producer): a block's kv rows and member bits are loaded while the
+// block before it is copied, a plan's tile ids two blocks ahead, and rows are checked at use.
+struct Slots {
+  int row[2][4];       // raw kv row of slot g + 16 j of tile 2b + buf (-1: none)
+  uint32_t bits[2][4];  // member bits (plan) or 1 (query-parallel)
+};
+
+__device__ __forceinline__ void load_tile_ids(const Params& p, const Program& pr, int b, int (&tile)[2]) {
+#pragma unroll
+  for (int buf = 0; buf < 2; ++buf) {
+    const int it = 2 * b + buf;
+    tile[buf] = p.from_plan && it < pr.n_tiles ? p.prog_tiles[static_cast<long long>(pr.pid) * p.prog_cap + it] : -1;
+  }
+}
+
+__device__ __forceinline__ void load_slots(const Params& p, const Program& pr, int b, int g, const int (&tile)[2],
+                                           Slots& sl) {
+#pragma unroll
+  for (int buf = 0; buf < 2; ++buf) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int slot = g + 16 * j;
+      if (p.from_plan) {
+        const long long at = static_cast<long long>(tile[buf]) * kTile + slot;
+        const int w = tile[buf] >= 0 ? p.tile_kv[at] : -1;
+        if (p.tile_mask == nullptr) {  // packed: a padding word (-1) has row 0xFFFFFF >= s_kv, so it reads as invalid
+          sl.row[buf][j] = w & 0xFFFFFF;
+          sl.bits[buf][j] = static_cast<uint32_t>(w) >> 24;
+        } else {
+          sl.row[buf][j] = w;
+          sl.bits[buf][j] = tile[buf] >= 0 ? static_cast<uint32_t>(p.tile_mask[at]) : 0u;
+        }
+      } else {
+        const int pos = (2 * b + buf) * kTile + slot;
+        sl.row[buf][j] = pos < pr.n_valid ? p.indices[static_cast<long long>(pr.q0) * p.stride_idx + pos] : -1;
+        sl.bits[buf][j] = 1u;
+      }
+    }
+  }
+}
+
+// Program k of this CTA (work item w: program pr, head block hblock): q rows -> shared memory (zero
+// rows for padding) once the previous program's QKs are done with it, then the work item
+// for the consumers; q_ready completes when both have landed. w >= n_work tells the consumers to stop.
+template <typename T>
+__device__ __forceinline__ void hand_over(const Params& p, int w, const Program& pr, int hblock, int k, int t,
+                                          uint8_t* smem, const Bars& bars) {
+  mbar_wait(bars.q_free(), (k & 1) ^ 1);
+  if (t == 0) QUILT_STAMP(k, kTlQFreeSeen);
+  if (w < p.n_work) {
+    // as the kv gather: 8 threads a row's 128-byte chunk, rows g, g + 16, g + 32, g + 48 (a row's address
+    // once, not a division a copy: the boundary timeline had this loop at ~4300 cycles)
+    const T* q = static_cast<const T*>(p.q);
+    const uint32_t dst0 = smem_u32(smem + kSmemQ);
+    const int unit = t % 8, g = t / 8;
+#pragma unroll 1
+    for (int j = 0; j < 4; ++j) {  // (not unrolled: the producer has 72 registers)
+      const int r = g + 16 * j;
+      const RowOf x = row_of(p, pr, hblock, r);
+      const T* src = q + (x.ok ? x.qq * p.stride_qs + x.head * p.stride_qh : 0) + unit * 8;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) cp_async16(dst0 + c * kChunkBytes + swz(r, unit), src + c * 64, x.ok);
+    }
+#ifdef QUILT_SANITIZER_SYNC
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_smem();
+    mbar_arrive(bars.q_ready());
+#else
+    mbar_arrive_copies(bars.q_ready());
+#endif
+    if (t == 0) QUILT_STAMP(k, kTlQIssued);
+  } else {
+    mbar_arrive(bars.q_ready());
+  }
+  if (t == 0) {
+    reinterpret_cast<int*>(smem + kSmemWork)[2 + (k & 1)] = w;
+    mbar_arrive(bars.q_ready());
+  }
+}
+
+// The producer runs ahead of the consumers across programs: the next program's first kv block is
+// gathered while the consumers finish the current one, and its q as soon as their last QK is done.
+template <typename T>
+__device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
+  const int t = threadIdx.x - 256, unit = t % 8, g = t / 8;
+  const T* kv = static_cast<const T*>(p.kv);
+  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + kSmemMask);
+  Slots cur, nxt;
+  int tile_n[2], tile_nn[2];  // plan tile ids of blocks b + 1, b + 2
+  auto fill = [&](int buf, int half, int phase) {
+    mbar_wait(bars.free(buf, half), phase ^ 1);
+    bool ok[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ok[j] = cur.row[buf][j] >= 0 && cur.row[buf][j] < p.s_kv;
+    if (half == buf && unit == 0) {  // the half each buffer's consumer waits for first carries the bits
+#pragma unroll
+      for (int j = 0; j < 4; ++j) masks[buf * kTile + g + 16 * j] = ok[j] ? cur.bits[buf][j] : 0u;
+    }
+    const int c0 = half ? 4 : 0, c1 = half ? kChunks : 4;
+    if (!(p.skip & kSkipGather)) {
+      const uint32_t dst = smem_u32(smem + kSmemKV + buf * kTileBytes);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = g + 16 * j;
+        const T* src = kv + (ok[j] ? static_cast<long long>(cur.row[buf][j]) * p.stride_kv : 0) + unit * 8;
+#pragma unroll
+        for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
+      }
+    }
+#ifdef QUILT_SANITIZER_SYNC
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_smem();
+    mbar_arrive(bars.ready(buf, half));
+    mbar_arrive(bars.ready(buf, half));
+#else
+    mbar_arrive(bars.ready(buf, half));
+    mbar_arrive_copies(bars.ready(buf, half));
+#endif
+  };
+  int gb = 0;  // kv blocks of the CTA's earlier programs: the ready / free barriers' phase
+  volatile int* next = reinterpret_cast<int*>(smem + kSmemWork);
+  const bool round_robin = !p.from_plan && p.nhb > 1;
+  for (int k = 0;; ++k) {
+    // work items: blockIdx.x first, then whatever is left (longest programs first), one at a time; or
+    // round-robin (query programs in head blocks: equal lengths up to topk_length, pairs kept in step)
+    if (t == 0) {
+      next[k & 1] = k == 0 ? blockIdx.x
+                  : round_robin ? blockIdx.x + k * gridDim.x
+                                : gridDim.x + atomicAdd(p.work_counter, 1);
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"n"(static_cast<int>(kBarProducer)) : "memory");  // (producer only)
+    const int w = next[k & 1];
+    if (w >= p.n_work) {
+      hand_over<T>(p, w, Program{}, 0, k, t, smem, bars);
+      break;
+    }
+    int hblock;
+    const Program pr = program_of(p, w, hblock);
+    const int n_blocks = (pr.n_tiles + 1) / 2;
+    int tile0[2];
+    load_tile_ids(p, pr, 0, tile0);
+    load_tile_ids(p, pr, 1, tile_n);
+    load_slots(p, pr, 0, g, tile0, cur);
+    // q first: the consumers free its shared memory after their last QK of the previous program, before
+    // the last PVs that free the kv buffers, so its wait is the shorter one
+    hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
+    for (int b = 0; b < n_blocks; ++b) {
+      const int phase = (gb + b) & 1;
+      load_slots(p, pr, b + 1, g, tile_n, nxt);  // (past the end: no loads, all slots -1)
+      load_tile_ids(p, pr, b + 2, tile_nn);
+      fill(0, 0, phase);
+      fill(1, 1, phase);
+      fill(0, 1, phase);
+      fill(1, 0, phase);
+      cur = nxt;
+      tile_n[0] = tile_nn[0];
+      tile_n[1] = tile_nn[1];
+    }
+    gb += n_blocks;
+  }
+  cp_async_wait<0>();
+}
+
+
+}  // namespace quilt_sm90
