@@ -5,14 +5,16 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench report clean
+.PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml benchmarks/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	@# numpy < 2.4: Triton 3.6's CPU interpreter converts 1-element arrays to Python ints.
 	$(VPY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.4" matplotlib pytest hypothesis safetensors
 	$(VPY) -m pip install -q --no-deps -e .
+	@# the benchmark harness (quilt_bench: bench / report / the benchmark cases), beside the library; tests use it
+	$(VPY) -m pip install -q --no-deps -e benchmarks
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,7 +26,7 @@ test: $(STAMP)
 	  $(VPY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(VPY) -m quilt_attn bench
+	$(VPY) -m quilt_bench bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info benchmarks/*.egg-info

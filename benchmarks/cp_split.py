@@ -5,9 +5,9 @@ For each workload and W in ``--world-sizes``, each split and each rank r: the ra
 (``q[pos]``, ``indices[pos]``) are planned as ``sparse_prefill`` plans them (``quilt_attn.plan_ahead``, the
 default settings for the backend at ``--heads`` heads) and attended over the whole context (the kv an
 all-gather gives the rank). Per rank: kernel time with the prebuilt plan (median of
-``triton.testing.do_bench`` over two rotating input sets, ``quilt_attn.bench.time_ms``), the plan's kv tiles
+``triton.testing.do_bench`` over two rotating input sets, ``quilt_bench.bench.time_ms``), the plan's kv tiles
 (``Plan.stats["tiles"]``, plus its private tiles when the plan splits them off), a reference check on
-sampled queries (``quilt_attn.bench.check``), the distinct rows its indices reference and the bytes it must
+sampled queries (``quilt_bench.bench.check``), the distinct rows its indices reference and the bytes it must
 fetch from other ranks (rows outside its own kv shard ``kv_shard(s_kv, W, r)``, x 1152 B a bf16 row of 576),
 against the all-gather's ``(W - 1) ceil(s_kv / W)`` rows; ``choose_fetch`` says which mode ``fetch="auto"``
 takes; whether the rank's outputs equal the one-GPU call's rows bit for bit (zigzag: they must; round-robin
@@ -20,8 +20,8 @@ script at tiny sizes, ``--dtype fp16``; its times mean nothing).
 ``--cpu``: no kernels; the torch planner on the CPU (the plan the CUDA backend runs, ``--plan-for``), a
 smaller ``--s-q``; prints tile counts and fetch bytes only.
 
-Usage (GPU):  PYTHONPATH=$PWD python benchmarks/cp_split.py --out $OUT/h200_cp_split.json
-      (CPU):  PYTHONPATH=$PWD python benchmarks/cp_split.py --cpu --s-q 16384 --workloads glm53-like
+Usage (GPU):  python benchmarks/run.py cp-split --out $OUT/h200_cp_split.json
+      (CPU):  python benchmarks/run.py cp-split --cpu --s-q 16384 --workloads glm53-like
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ import time
 import torch
 
 from quilt_attn import plan_ahead, sparse_prefill
-from quilt_attn.bench import Case, Inputs, check, environment, make_inputs, rotating, save, time_ms
 from quilt_attn.distributed import choose_fetch, query_shards, round_robin_shards, shard_positions
 from quilt_attn.workloads import generate
+from quilt_bench.bench import Case, Inputs, check, environment, make_inputs, rotating, save, time_ms
 
 ROW_BYTES = 576 * 2  # a bf16 kv row
 SPLITS = ("zigzag", "round_robin")
@@ -163,8 +163,9 @@ def run_gpu(args) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="tile counts only, torch planner on the CPU")
     ap.add_argument("--workloads", nargs="+", default=["glm53-like", "ds32-like", "random"])
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 8])

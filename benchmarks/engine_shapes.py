@@ -14,7 +14,7 @@ Two index sets (and two q / kv sets) alternate between calls, so no call finds t
 rows in L2. Every variant's output starts NaN-poisoned and is checked against the float32 reference on sampled
 queries in the same run; the call's extra device memory (peak above inputs and outputs) is recorded.
 
-    python benchmarks/engine_shapes.py --out benchmarks/results/engine_shapes.json [--flashmla LIB] [--cases ...]
+    python benchmarks/run.py engine-shapes --out benchmarks/results/engine_shapes.json [--flashmla LIB] [--cases ...]
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 import quilt_attn
-from quilt_attn import bench
 from quilt_attn.ops import cuda_backend
 from quilt_attn.ops.sparse_attention import default_group_size, program_shape
 from quilt_attn.reference import sparse_prefill_reference
 from quilt_attn.workloads import generate
+from quilt_bench import bench
 
 D_QK, D_V, PAGE = 576, 512, 64
 
@@ -183,8 +183,8 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
     return out_rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--flashmla", default=None, help="FlashMLA library (benchmarks/flashmla.py); omitted: not timed")
     p.add_argument("--cases", default=",".join(SHAPES), help=f"comma-separated, from {list(SHAPES)}")
@@ -217,8 +217,9 @@ def main(argv=None):
                   f"{c['extra_mib']:.0f} | {c['rel_err']:.1e} (kernel {k['rel_err']:.1e}"
                   f"{', FlashMLA %.1e' % f['rel_err'] if f else ''}) |", flush=True)
             torch.cuda.empty_cache()
-    bench.save(rows, a.out, {"command": "python benchmarks/engine_shapes.py " + " ".join(argv or sys.argv[1:])})
+    bench.save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,29 +1,30 @@
-"""Planner timing on the GPU (issue 3): the CUDA planner, the fused Triton planner (bitmap and SCSD
-masks) and, with ``--torch``, the torch planner, at s_q 16384 over a 65536-token context, Top-2048.
+"""Planner timing: the CUDA planner, the fused Triton planner (bitmap and SCSD masks) and, with ``--torch``, the
+torch planner, at s_q 16384 over a 65536-token context, Top-2048 (``--s-q`` / ``--s-kv`` / ``--topk``).
 
 Configurations are the ones the attention backends plan with: group and merge level 64 // h, tile 64
 (h = 8: group 8; h = 16: group 4, private rows split off as Triton runs them, or kept as CUDA runs them;
-h = 32: group 2), the group-8 plans at h = 16 / 32 that they used before session 9, and the paper's full
-cascade (group 8, merge 1). Every plan is compared field by field with the Triton bitmap
-plan of the same configuration; ``alloc`` times ``plan_buffers`` alone as that backend calls it, part of
-its planner's time (Triton: the tile arrays filled with their unused-slot values; CUDA: left uninitialized,
-the kernel writes every slot; the torch planner builds its own). Times: median of
-``triton.testing.do_bench``; the indices (128 MB, larger than L2) are built outside the timed region.
+h = 32: group 2), group-8 plans at h = 16 / 32, and the paper's full cascade (group 8, merge 1). Every plan is
+compared field by field with the reference plan of the same configuration (the Triton bitmap plan on a GPU,
+the torch bitmap plan with ``--device cpu``); ``alloc`` times ``plan_buffers`` alone as that backend calls it,
+part of its planner's time (Triton: the tile arrays filled with their unused-slot values; CUDA: left
+uninitialized, the kernel writes every slot; the torch planner builds its own). Times: median of
+``triton.testing.do_bench`` (on the CPU: the wall time of one call, a smoke run); the indices (128 MB, larger
+than L2) are built outside the timed region.
 
-Usage: PYTHONPATH=$PWD python benchmarks/plan_timing.py --out $OUT/plan_timing.json [--workloads glm53-like,random]
+    python benchmarks/run.py plan-timing --out PLAN.json [--workloads glm53-like,random] [--torch]
+    python benchmarks/run.py plan-timing --out /tmp/p.json --device cpu --s-q 256 --s-kv 4096 --topk 128
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 from quilt_attn import plan
-from quilt_attn.bench import plans_equal, save, time_ms
-from quilt_attn.planner.plan import plan_buffers
-from quilt_attn.workloads import generate
+from quilt_attn.planner.buffers import plan_buffers
+from quilt_bench.bench import plans_equal, save, time_ms
 
-S_Q, S_KV, TOPK = 16384, 65536, 2048
 CONFIGS = [  # (label, group_size, merge_level, split_private)
     ("h8", 8, 8, False), ("h16-cuda", 4, 4, False), ("h16-triton", 4, 4, True), ("h32-cuda", 2, 2, False),
     ("h16-cuda G8", 8, 4, False), ("h16-triton G8", 8, 4, True), ("h32-cuda G8", 8, 2, False),
@@ -31,49 +32,66 @@ CONFIGS = [  # (label, group_size, merge_level, split_private)
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--workloads", default="glm53-like,ds32-like,random")
-    ap.add_argument("--torch", action="store_true", help="also time the torch planner (slow)")
-    args = ap.parse_args()
+    ap.add_argument("--torch", action="store_true", help="also time the torch planner (slow on a GPU)")
+    ap.add_argument("--s-q", type=int, default=16384)
+    ap.add_argument("--s-kv", type=int, default=65536)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the torch planner only, a smoke run (its times mean little)")
+    args = ap.parse_args(argv)
+    from quilt_attn.workloads import generate
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    cuda = args.device == "cuda"
+    if cuda:
+        variants = [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")] + \
+                   ([("torch", "bitmap")] if args.torch else [])
+    else:
+        variants = [("torch", "bitmap"), ("torch", "sort")]
+    ref_backend = "triton" if cuda else "torch"
     rows = []
     for wl in args.workloads.split(","):
-        idx = generate(wl, S_Q, S_KV, TOPK, seed=0, device="cuda")
+        idx = generate(wl, args.s_q, args.s_kv, args.topk, seed=0, device=args.device)
         for label, G, M, split in CONFIGS:
-            kw = dict(s_kv=S_KV, group_size=G, merge_level=M, split_private=split)
-            ref = plan(idx, backend="triton", **kw)
-            variants = [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")]
-            if args.torch:
-                variants.append(("torch", "bitmap"))
-            alloc = {filled: time_ms(lambda: plan_buffers(S_Q, TOPK, G, M, 64, split, idx.device, filled=filled),
-                                     warmup=5, rep=40) for filled in (True, False)}
-            for backend, method in variants:
+            kw = dict(s_kv=args.s_kv, group_size=G, merge_level=M, split_private=split)
+            ref = plan(idx, backend=ref_backend, **kw)
+            alloc = {filled: time_ms(lambda: plan_buffers(args.s_q, args.topk, G, M, 64, split, idx.device,
+                                                          filled=filled), warmup=5, rep=40)
+                     for filled in (True, False)}
+            for backend, mask_method in variants:
                 alloc_ms = alloc[backend != "cuda"]
-                f = lambda: plan(idx, backend=backend, method=method, **kw)  # noqa: E731
+                f = lambda: plan(idx, backend=backend, mask_method=mask_method, **kw)  # noqa: E731
                 got = f()
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
                 ms = time_ms(f, warmup=5, rep=40)
                 st = got.stats
                 rows.append({"workload": wl, "config": label, "group_size": G, "merge_level": M,
-                             "split_private": split, "backend": backend, "method": method, "ms": ms,
-                             "alloc_ms": alloc_ms, "same_as_triton_bitmap": plans_equal(got, ref),
+                             "split_private": split, "backend": backend, "mask_method": mask_method, "ms": ms,
+                             "alloc_ms": alloc_ms, "same_as_reference": plans_equal(got, ref),
                              "tiles": st["tiles"], "rows_processed": st["rows_processed"],
                              "reduction": st["reduction"]})
                 r = rows[-1]
-                print(f"{wl:<11} {label:<13} {backend:<6} {method:<6} {ms:8.3f} ms  (alloc {alloc_ms:.3f})  "
-                      f"same={r['same_as_triton_bitmap']}  tiles {st['tiles']}  reduction {st['reduction']:.3f}",
+                print(f"{wl:<11} {label:<13} {backend:<6} {mask_method:<6} {ms:8.3f} ms  (alloc {alloc_ms:.3f})  "
+                      f"same={r['same_as_reference']}  tiles {st['tiles']}  reduction {st['reduction']:.3f}",
                       flush=True)
-    save(rows, args.out, {"what": "planner time by backend, s_q 16384, s_kv 65536, topk 2048"})
-    print(f"\n{'workload':<11} {'config':<13} " + " ".join(f"{b + '/' + m:>14}" for b, m in
-                                                      [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")]))
+    save(rows, args.out, {"what": f"planner time by backend, s_q {args.s_q}, s_kv {args.s_kv}, topk {args.topk}",
+                          "reference": f"the {ref_backend} bitmap plan of the same configuration",
+                          "command": "python " + " ".join(sys.argv)})
+    print(f"\n{'workload':<11} {'config':<13} " + " ".join(f"{b + '/' + m:>14}" for b, m in variants))
     for wl in args.workloads.split(","):
         for label, *_ in CONFIGS:
-            sel = {(r["backend"], r["method"]): r for r in rows if r["workload"] == wl and r["config"] == label}
-            cells = " ".join(f"{sel[k]['ms']:>12.3f}{'  ' if sel[k]['same_as_triton_bitmap'] else ' !'}"
-                             for k in [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")])
+            sel = {(r["backend"], r["mask_method"]): r for r in rows if r["workload"] == wl and r["config"] == label}
+            cells = " ".join(f"{sel[k]['ms']:>12.3f}{'  ' if sel[k]['same_as_reference'] else ' !'}" for k in variants)
             print(f"{wl:<11} {label:<13} {cells}")
+    return 1 if not all(r["same_as_reference"] for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

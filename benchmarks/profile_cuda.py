@@ -1,9 +1,9 @@
 """One CUDA-kernel launch to profile under Nsight Compute (glm53-like, bf16, s_kv 65536, topk 2048).
 
-    ncu --set full --import-source no -k regex:quilt_sm90 -c 1 -o prof python benchmarks/profile_cuda.py --h 64
-    ncu --set full --import-source no -k regex:plan_kernel -c 1 -o prof python benchmarks/profile_cuda.py --plan
+    ncu --set full --import-source no -k regex:quilt_sm90 -c 1 -o prof python benchmarks/run.py profile --h 64
+    ncu --set full --import-source no -k regex:plan_kernel -c 1 -o prof python benchmarks/run.py profile --plan
       (the planner kernel at the plan settings of --h; without ncu it prints the kernel's and plan()'s times)
-    python benchmarks/profile_cuda.py --summarize prof.ncu-rep   # hottest SASS lines by warp stall samples
+    python benchmarks/run.py profile --summarize prof.ncu-rep   # hottest SASS lines by warp stall samples
 """
 import argparse
 import csv
@@ -11,27 +11,16 @@ import io
 import subprocess
 import sys
 
-p = argparse.ArgumentParser(description=__doc__)
-p.add_argument("--h", type=int, default=64)
-p.add_argument("--s-q", type=int, default=4096)
-p.add_argument("--skip", type=int, default=0, help="0 full, 1 no gather, 2 no matmul, 3 neither")
-p.add_argument("--workload", default="glm53-like")
-p.add_argument("--ctas", type=int, default=None, help="persistent CTAs (default one an SM; 0: one a work item)")
-p.add_argument("--summarize", default=None, help="an .ncu-rep file: print the stall summary instead")
-p.add_argument("--top", type=int, default=40)
-p.add_argument("--plan", action="store_true", help="the planner kernel instead of attention")
-p.add_argument("--regions", action="store_true",
-               help="with --summarize: totals between consecutive barriers (BAR) instead of the hottest lines")
-a = p.parse_args()
 
-if a.summarize:
+def summarize(a) -> int:
+    """Print the stall summary of an .ncu-rep file (``--summarize``)."""
     txt = subprocess.run(["ncu", "-i", a.summarize, "--page", "source", "--csv", "--print-source", "sass"],
                          capture_output=True, text=True).stdout
     lines = txt.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith('"Address"') or ln.startswith('"#"')), None)
     if start is None:
         print(txt[:3000])
-        sys.exit(1)
+        return 1
     rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     cols = list(rows[0])
     key = next(k for k in cols if k.startswith("Warp Stall Sampling (All"))
@@ -53,44 +42,74 @@ if a.summarize:
                 start, inst, st = off, 0.0, 0.0
         if not ikey:
             print("no instruction counts; columns:", cols)
-        sys.exit()
+        return 0
     for r in sorted(rows, key=lambda r: -float(r[key] or 0))[:a.top]:
         top = sorted(((float(r[k] or 0), k) for k in reasons), reverse=True)[:2]
         why = " ".join(f"{k.replace('stall_', '')}={v / max(float(r[key] or 1), 1):.0%}" for v, k in top if v)
         print(f"{float(r[key] or 0) / total:6.1%}  {int(r['Address'], 16) - base:#07x}  {r.get('Source', '')[:70]:<70} {why}")
-    sys.exit()
+    return 0
 
-import torch
 
-from quilt_attn import plan as make_plan
-from quilt_attn.ops import cuda_backend
-from quilt_attn.ops.sparse_attention import program_shape
-from quilt_attn.workloads import generate
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--h", type=int, default=64)
+    p.add_argument("--s-q", type=int, default=4096)
+    p.add_argument("--skip", type=int, default=0, help="0 full, 1 no gather, 2 no matmul, 3 neither")
+    p.add_argument("--workload", default="glm53-like")
+    p.add_argument("--ctas", type=int, default=None, help="persistent CTAs (default one an SM; 0: one a work item)")
+    p.add_argument("--summarize", default=None, help="an .ncu-rep file: print the stall summary instead")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--plan", action="store_true", help="the planner kernel instead of attention")
+    p.add_argument("--regions", action="store_true",
+                   help="with --summarize: totals between consecutive barriers (BAR) instead of the hottest lines")
+    a = p.parse_args(argv)
+    if a.summarize:
+        return summarize(a)
+    import torch
 
-torch.manual_seed(0)
-idx = generate(a.workload, a.s_q, 65536, 2048, seed=7, device="cuda")
-if a.plan:
-    import triton
+    from quilt_attn import plan as make_plan
+    from quilt_attn.ops import cuda_backend
+    from quilt_attn.ops.sparse_attention import program_shape
+    from quilt_attn.workloads import generate
 
-    from quilt_attn.planner.plan import plan_buffers
+    torch.manual_seed(0)
+    idx = generate(a.workload, a.s_q, 65536, 2048, seed=7, device="cuda")
+    if a.plan:
+        import triton
 
-    M = program_shape(a.h, 8)[0]
-    buf = plan_buffers(a.s_q, 2048, 8, M, 64, False, idx.device)
-    run = lambda: cuda_backend.launch_plan(idx, None, 65536, 8, M, 64, 32.0, False, False, buf)  # noqa: E731
-    run()
+        from quilt_attn.planner.buffers import plan_buffers
+
+        M = program_shape(a.h, 8)[0]
+        buf = plan_buffers(a.s_q, 2048, 8, M, 64, False, idx.device)
+        run = lambda: cuda_backend.launch_plan(idx, None, 65536, 8, M, 64, 32.0, False, False, buf)  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        t_kernel = triton.testing.do_bench(run, warmup=5, rep=40, return_mode="median")
+        t_plan = triton.testing.do_bench(lambda: make_plan(idx, s_kv=65536, merge_level=M, backend="cuda"), warmup=5,
+                                         rep=40, return_mode="median")
+        print(f"planner kernel {t_kernel:.3f} ms, plan() {t_plan:.3f} ms (s_q {a.s_q}, merge {M})")
+        return 0
+    q = torch.randn(a.s_q, a.h, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(65536, 576, device="cuda", dtype=torch.bfloat16)
+    qp = program_shape(a.h, 8)[0]
+    kw = dict(plan=make_plan(idx, s_kv=65536, merge_level=qp, split_private=False)) if qp > 1 else dict(indices=idx)
+    out = torch.full((a.s_q, a.h, 512), float("nan"), dtype=q.dtype, device="cuda")
+    ml = torch.empty(a.s_q, a.h, dtype=torch.float32, device="cuda")
+    lse = torch.empty_like(ml)
+    ctas = a.ctas if a.ctas != 0 else cuda_backend.work_items(a.h, a.s_q, kw.get("plan"))
+    cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, _skip=a.skip, _ctas=ctas, **kw)
     torch.cuda.synchronize()
-    t_kernel = triton.testing.do_bench(run, warmup=5, rep=40, return_mode="median")
-    t_plan = triton.testing.do_bench(lambda: make_plan(idx, s_kv=65536, merge_level=M, backend="cuda"), warmup=5,
-                                     rep=40, return_mode="median")
-    print(f"planner kernel {t_kernel:.3f} ms, plan() {t_plan:.3f} ms (s_q {a.s_q}, merge {M})")
-    sys.exit()
-q = torch.randn(a.s_q, a.h, 576, device="cuda", dtype=torch.bfloat16)
-kv = torch.randn(65536, 576, device="cuda", dtype=torch.bfloat16)
-qp = program_shape(a.h, 8)[0]
-kw = dict(plan=make_plan(idx, s_kv=65536, merge_level=qp, split_private=False)) if qp > 1 else dict(indices=idx)
-out = torch.empty(a.s_q, a.h, 512, dtype=q.dtype, device="cuda")
-ml = torch.empty(a.s_q, a.h, dtype=torch.float32, device="cuda")
-lse = torch.empty_like(ml)
-ctas = a.ctas if a.ctas != 0 else cuda_backend.work_items(a.h, a.s_q, kw.get("plan"))
-cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, _skip=a.skip, _ctas=ctas, **kw)
-torch.cuda.synchronize()
+    if a.skip == 0:  # the launch checked against the float32 reference on sampled queries (after the profiled kernel)
+        from quilt_attn.reference import sparse_prefill_reference
+
+        rows = torch.randperm(a.s_q, generator=torch.Generator().manual_seed(123))[:256].to("cuda")
+        ro, _, _ = sparse_prefill_reference(q[rows], kv, idx[rows], compute_dtype=torch.float32)
+        err = float((out[rows].float() - ro).norm() / ro.norm())
+        print(f"h={a.h} s_q={a.s_q} {a.workload}: rel_err {err:.2e} on 256 sampled queries")
+        return 0 if err < 1e-2 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,17 +1,21 @@
 """A small run of the CUDA kernel for compute-sanitizer (memcheck / racecheck / synccheck).
 
-    compute-sanitizer --tool memcheck  python benchmarks/sanitize_cuda.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_cuda.py
+    compute-sanitizer --tool memcheck  python benchmarks/run.py sanitize-cuda
+    compute-sanitizer --tool racecheck python benchmarks/run.py sanitize-cuda [--strict-sync]
 
 Launches only the sm_90a kernel (plan built by the torch planner on the CPU, so no Triton kernel
 runs under the sanitizer): QUILT with a plan at h=16 and h=3, query-parallel with invalid indices
-and topk_length at h=64, fp16 partial output; checks each against the float64 reference.
+and topk_length at h=64, fp16 partial output; checks each against the float64 reference (exit 1 above a
+relative L2 error of 1e-2). ``--out``: the rows as JSON (with GPU, commit, versions).
 
 ``--strict-sync`` runs the kernel built with QUILT_SANITIZER_SYNC: hand-offs racecheck can model
 (rendezvous barriers, copies waited for) in place of bar.arrive and copy-completion mbarrier
 arrivals. racecheck reports hazards at those two hand-offs in the default build; a clean report on
 this build says the protocol itself has no race.
 """
+from __future__ import annotations
+
+import argparse
 import sys
 
 import torch
@@ -19,45 +23,67 @@ import torch
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill_reference
 from quilt_attn.ops import cuda_backend
+from quilt_attn.ops.sparse_attention import program_shape
 from quilt_attn.workloads import generate
 
-if "--strict-sync" in sys.argv:
-    cuda_backend.use_library(cuda_backend.build(defines=("-DQUILT_SANITIZER_SYNC",)))
-    print("kernel built with QUILT_SANITIZER_SYNC")
+# (heads, with a plan, dtype, persistent CTAs): None is one an SM, more than this run's work items; fewer make
+# each CTA run several programs, the hand-over between them included
+CASES = [(16, True, torch.bfloat16, None), (3, True, torch.bfloat16, 2), (64, False, torch.bfloat16, 3),
+         (16, True, torch.float16, 1)]
 
-torch.manual_seed(0)
-s_q, s_kv, topk = 32, 1024, 200
-idx_cpu = generate("glm53-like", s_q, s_kv, topk, seed=1)
-idx_cpu[3, :20] = -1
-idx_cpu[5, 7] = s_kv + 3
-idx = idx_cpu.cuda()
-kv = torch.randn(s_kv, 576, dtype=torch.bfloat16, device="cuda")
-worst = 0.0
-# ctas: persistent CTAs (None: one an SM, more than this run's work items); fewer make each CTA run
-# several programs, the hand-over between them included
-for h, use_plan, dtype, ctas in [(16, True, torch.bfloat16, None), (3, True, torch.bfloat16, 2),
-                                 (64, False, torch.bfloat16, 3), (16, True, torch.float16, 1)]:
-    q = torch.randn(s_q, h, 576, dtype=dtype, device="cuda")
-    kvd = kv.to(dtype)
-    out = torch.full((s_q, h, 512), float("nan"), dtype=dtype, device="cuda")
-    ml = torch.full((s_q, h), float("nan"), device="cuda")
-    lse = torch.full_like(ml, float("nan"))
-    lengths = None
-    if use_plan:
-        from quilt_attn.ops.sparse_attention import program_shape
 
-        p = make_plan(idx_cpu, s_kv=s_kv, merge_level=program_shape(h, 8)[0], split_private=False, backend="torch")
-        p = type(p)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p.__dict__.items()
-                       if not k.startswith("_")})
-        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, plan=p, _ctas=ctas)
-    else:
-        lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32, device="cuda")
-        cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths, _ctas=ctas)
-    torch.cuda.synchronize()
-    ro, _, rl = sparse_prefill_reference(q.cpu(), kvd.cpu(), idx_cpu, 576**-0.5, d_v=512,
-                                         topk_length=None if lengths is None else lengths.cpu())
-    err = float((out.cpu().double() - ro).norm() / ro.norm())
-    worst = max(worst, err)
-    print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} {str(dtype):<15} rel-L2 {err:.2e}  nan={bool(out.isnan().any())}")
-assert worst < 1e-2, worst
-print("sanitize case OK")
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strict-sync", action="store_true", help="the kernel built with QUILT_SANITIZER_SYNC")
+    p.add_argument("--out", default=None, help="JSON file for the rows (optional)")
+    a = p.parse_args(argv)
+    if a.strict_sync:
+        cuda_backend.use_library(cuda_backend.build(defines=("-DQUILT_SANITIZER_SYNC",)))
+        print("kernel built with QUILT_SANITIZER_SYNC")
+
+    torch.manual_seed(0)
+    s_q, s_kv, topk = 32, 1024, 200
+    idx_cpu = generate("glm53-like", s_q, s_kv, topk, seed=1)
+    idx_cpu[3, :20] = -1
+    idx_cpu[5, 7] = s_kv + 3
+    idx = idx_cpu.cuda()
+    kv = torch.randn(s_kv, 576, dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for h, use_plan, dtype, ctas in CASES:
+        q = torch.randn(s_q, h, 576, dtype=dtype, device="cuda")
+        kvd = kv.to(dtype)
+        out = torch.full((s_q, h, 512), float("nan"), dtype=dtype, device="cuda")
+        ml = torch.full((s_q, h), float("nan"), device="cuda")
+        lse = torch.full_like(ml, float("nan"))
+        lengths = None
+        if use_plan:
+            p_ = make_plan(idx_cpu, s_kv=s_kv, merge_level=program_shape(h, 8)[0], split_private=False,
+                           backend="torch")
+            p_ = type(p_)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p_.__dict__.items()
+                             if not k.startswith("_")})
+            cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, plan=p_, _ctas=ctas)
+        else:
+            lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32, device="cuda")
+            cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths, _ctas=ctas)
+        torch.cuda.synchronize()
+        ro, _, rl = sparse_prefill_reference(q.cpu(), kvd.cpu(), idx_cpu, 576**-0.5, d_v=512,
+                                             topk_length=None if lengths is None else lengths.cpu())
+        err = float((out.cpu().double() - ro).norm() / ro.norm())
+        nan = bool(out.isnan().any())
+        rows.append(dict(h=h, plan=use_plan, dtype=str(dtype), ctas=ctas, rel_err=err, nan=nan,
+                         strict_sync=a.strict_sync))
+        print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} {str(dtype):<15} rel-L2 {err:.2e}  nan={nan}")
+    if a.out:
+        from quilt_bench.bench import save
+
+        save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
+    worst = max(r["rel_err"] for r in rows)
+    if worst >= 1e-2 or any(r["nan"] for r in rows):
+        print(f"sanitize case FAILED: worst rel-L2 {worst:.2e}")
+        return 1
+    print("sanitize case OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

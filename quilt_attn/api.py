@@ -18,7 +18,9 @@ from ._checks import (
     require_same_device,
     require_tensor,
 )
+from .dispatch import PlanSettings
 from .kv_cache import D_NOPE, D_QK, FP8_BYTES, canonical_fp8_cache, is_fp8_cache
+from .ops.cuda_backend import launch_sparse_attention_cuda
 from .planner import Plan, plan as make_plan
 from .reference import sparse_prefill_reference
 
@@ -72,24 +74,15 @@ def sparse_prefill(
     indices: torch.Tensor,
     sm_scale: float | None = None,
     *,
-    method: str = "quilt",
-    plan: Plan | None = None,
-    group_size: int | None = None,
-    tile: int = 64,
-    clip_threshold: float = 0.5,
-    importance_clip: bool = False,
-    merge_level: int | None = None,
-    split_private: bool = True,
-    fallback: bool | str = True,
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
-    dv_split: int = 1,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    fp8_expand: bool | None = None,
+    plan: Plan | None = None,
     backend: str = "auto",
+    method: str = "quilt",
+    settings: PlanSettings | None = None,
     workspace: torch.Tensor | None = None,
+    _triton: dict | None = None,
 ):
     """Top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
 
@@ -99,35 +92,23 @@ def sparse_prefill(
     kv : ``[s_kv, d_qk]`` (or ``[s_kv, 1, d_qk]``) of q's dtype, or the FP8 cache ``uint8 [s_kv, 656]``.
     indices : int32 ``[s_q, topk]`` (or ``[s_q, 1, topk]``); -1 or ``>= s_kv`` entries are ignored.
     sm_scale : softmax scale, default ``d_qk ** -0.5``.
-    method : ``"quilt"`` (shared-query execution), ``"query_parallel"`` or ``"reference"`` (float64).
-    plan : a ``Plan`` from ``quilt_attn.plan`` (or ``plan_ahead``, ``plan_chunks``) built from these
-        ``indices`` (reuse it across layers); built here when None.
-    group_size : plan group (see ``quilt_attn.plan``); default: the queries one program holds (``64 // h``,
-        at most 8; 8 at ``h >= 64``), see ``ops.sparse_attention.default_group_size``.
-    tile, clip_threshold, importance_clip : planner settings (see ``quilt_attn.plan``).
-    merge_level : where the cascade stops; default: the queries one program holds (``64 // h``),
-        so that every tile fills a 64-row matrix product.
-    split_private : rows one query owns alone run in 16-row query programs instead of 64-row tiles
-        (see ``quilt_attn.plan``); Triton only (the CUDA backend keeps them in its 64-row tiles).
-    fallback : True: where one query fills a 64-row tile (``h > 32``, heads padded to 64 rows), run query
-        programs (and plan nothing); where a program holds several queries, always run the plan
-        (``quilt_attn.dispatch``: decided from the settings, no host sync). False: always run the plan.
-        ``"cost"``: with a given ``plan``, the measured tile-cost rule decides whether sharing pays off
-        (one host read of the plan's tile counts, cached in the plan).
     d_v : value width (first ``d_v`` columns of kv).
     attn_sink : optional float32 ``[h]``. topk_length : optional int32 ``[s_q]``.
-    dv_split, num_warps, num_stages : kernel tuning (split of d_v across programs, Triton knobs;
-        None: measured defaults by program shape).
-    fp8_expand : with the FP8 cache, expand it to dense rows once per call (``ops.fp8_expand``) instead
-        of dequantizing every gathered row in the Triton kernel; None: expand when the call gathers at
-        least as many rows as the cache holds. The CUDA kernel always reads expanded rows, so False
-        (a Triton setting) makes ``"auto"`` run Triton.
+    plan : a ``Plan`` from ``quilt_attn.plan`` (or ``plan_ahead``) built from these ``indices`` (reuse it
+        across layers); built here (with ``settings``) when None.
     backend : ``"triton"`` (portable), ``"cuda"`` (Hopper sm_90a kernel, compiled with nvcc on first
         use; d_qk 576 / d_v 512; an FP8 cache is expanded to bf16 once per call) or ``"auto"``
         (``dispatch.choose_backend``).
+    method : ``"quilt"`` (shared-query execution), ``"query_parallel"`` or ``"reference"`` (float64).
+    settings : ``quilt_attn.PlanSettings``: the plan built here (group size, tile, clipping, merge level,
+        private rows) and whether QUILT runs a plan at all (``fallback``); None: the defaults. What runs is
+        decided from the settings, never from the data (``quilt_attn.dispatch``, no host sync).
     workspace : optional uint8 tensor on q's device that the plan built in the call is carved from
         (``quilt_attn.planner.plan_workspace_bytes``; ``dispatch.workspace_bytes`` for this call's
         settings), so that the call allocates no plan memory; not with a given ``plan``.
+    _triton : private Triton tuning for benchmarks and tests (``dispatch.TRITON_TUNING``: ``dv_split``,
+        ``num_warps``, ``num_stages``, ``fp8_expand``); any of them but ``fp8_expand=True`` makes ``"auto"``
+        run Triton (the CUDA kernel has no such knobs).
 
     Returns
     -------
@@ -138,6 +119,8 @@ def sparse_prefill(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    settings = dispatch.check_settings(settings)
+    tuning = dispatch.triton_tuning(_triton)
     if isinstance(plan, Plan):
         plan.wait()  # a plan_ahead plan: this stream waits for its planner (else nothing)
     require_tensor("q", q)
@@ -145,10 +128,6 @@ def sparse_prefill(
     require_tensor("kv", kv)
     require_same_device("kv", kv, "q", q)
     s_q, h, d_qk = q.shape
-    if group_size is None:
-        from .ops.sparse_attention import default_group_size
-
-        group_size = default_group_size(h)
     indices_arg, topk_length_arg = indices, topk_length  # as passed: what a given plan must be built from
     indices = canonical_indices(indices, s_q)
     require_same_device("indices", indices, "q", q)
@@ -166,12 +145,12 @@ def sparse_prefill(
     kv = _check_kernel_inputs(q, kv, d_v)
     if plan is not None:
         _check_plan(plan, q, indices_arg, kv.shape[0], topk_length_arg)
-    knobs = dispatch.triton_knobs(dv_split, num_warps, num_stages, fp8_expand)
     if kv.shape[0] == 0:  # no kv row: every index is invalid, every row empty; nothing to launch
         return empty_outputs(q, d_v)
-    fallback = dispatch.check_fallback(fallback)
     auto = backend == "auto"
-    backend = dispatch.choose_backend(backend, q, kv, d_v, plan, tile=tile, triton_knobs=knobs)
+    backend = dispatch.choose_backend(backend, q, kv, d_v, plan, tile=settings.tile,
+                                      triton_knobs=dispatch.triton_knobs(tuning))
+    dv_split = tuning["dv_split"]
     if backend == "triton":
         if not _kernels_can_run(q.device):
             raise ValueError(f"method={method!r} runs Triton kernels: q must be on a CUDA device "
@@ -185,25 +164,21 @@ def sparse_prefill(
             raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
         if workspace is not None:
             raise ValueError("workspace is the memory of the plan a call builds; a given plan has its own")
-    decision = dispatch.decide(backend, method, h, group_size=group_size, fallback=fallback,
-                               importance_clip=importance_clip, plan=plan, auto=auto)
+    decision = dispatch.decide(backend, method, h, settings, plan=plan, auto=auto)
     s_kv = kv.shape[0]
-    kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], fp8_expand)
+    kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], tuning["fp8_expand"])
     if decision.quilt and plan is None:
-        pkw = dispatch.plan_settings(h, backend, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
-                                     importance_clip=importance_clip, merge_level=merge_level,
-                                     split_private=split_private)
+        pkw = dispatch.plan_settings(h, backend, settings)
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)
     work = dict(plan=plan) if decision.quilt else dict(indices=indices.contiguous(), topk_length=topk_length)
     if decision.kernel == "cuda":
-        from .ops.cuda_backend import launch_sparse_attention_cuda
-
         out, max_logits, lse = launch_sparse_attention_cuda(q, kv, sm_scale, d_v, attn_sink=attn_sink, **work)
     else:
-        from .ops.sparse_attention import launch_sparse_attention
+        from .ops.sparse_attention import launch_sparse_attention  # a Triton kernel module: imported when first used
 
         out, max_logits, lse = launch_sparse_attention(q, kv, sm_scale, d_v, attn_sink=attn_sink, dv_split=dv_split,
-                                                       num_warps=num_warps, num_stages=num_stages, **work)
+                                                       num_warps=tuning["num_warps"],
+                                                       num_stages=tuning["num_stages"], **work)
     dispatch.natural_log_stats(max_logits, lse)
     return out, max_logits, lse
 

@@ -1,8 +1,8 @@
 """How a sparse-prefill call runs: its backend, its kernel, whether it runs a plan and the plan's settings.
 
-``sparse_prefill``, ``sparse_prefill_pipelined``, ``bench.run_case`` and the CLI demo all decide here.
-The default decision reads nothing from the device (no host sync, so a call can be captured in a CUDA
-graph): it depends on the settings and the head count only (``decide``):
+``sparse_prefill``, ``plan_ahead``, ``distributed``, the CLI demo and the benchmark harness all decide here, from
+a call's ``PlanSettings``. The default decision reads nothing from the device (no host sync, so a call can be
+captured in a CUDA graph): it depends on the settings and the head count only (``decide``):
 
 * ``method="quilt"`` where a 64-row program holds more than one query (``64 // h``, so ``h <= 32``) runs a
   plan's tiles, the caller's plan or one built in the call with ``plan_settings``:
@@ -10,9 +10,11 @@ graph): it depends on the settings and the head count only (``decide``):
   - CUDA backend: every tile is a 64-row product, so a query's own tile costs as much as a shared one
     and the plan's tiles never lose to the CUDA kernel's own query programs; its plan keeps private
     rows in the tiles (``split_private`` only under importance clipping).
-  - Triton: the plan splits rows one query owns alone off into 16-row query programs
-    (``split_private``, the default), so a plan that shares little degrades gracefully towards
-    query-parallel work instead of running mostly masked 64-row tiles.
+  - Triton: where a program holds at least ``TRITON_MIN_QUERIES`` queries (``h <= 16``); the plan splits
+    rows one query owns alone off into 16-row query programs (``split_private``, the default), so a plan
+    that shares little degrades gracefully towards query-parallel work instead of running mostly masked
+    64-row tiles. At 32 heads (two queries a program) Triton runs query programs: on the H200 grid the
+    measured tile-cost rule chose them on every preset there.
 
 * from 33 heads (a query's heads padded to a 64-row block) one query fills a 64-row tile, and
   there is nothing to share inside it: with ``fallback=True`` (the default) the call runs query programs
@@ -21,9 +23,10 @@ graph): it depends on the settings and the head count only (``decide``):
 * query programs of the CUDA backend under ``backend="auto"`` run Triton's 16- / 32-row programs where
   a CUDA program would compute a whole 64-row tile for fewer rows (``h <= 32``).
 
-What the settings rule gives up: with little sharing (random indices) the CUDA kernel's mostly masked
-64-row tiles lose to Triton's query programs, by about 15% at ``h = 16`` on an H200 (on realistic
-indices the CUDA plan wins by 1.4-1.6x). ``fallback="cost"`` opts into the measured tile-cost
+What the settings rule gives up: little on the H200 grid (``benchmarks/results/h200.json``, kernel
+9a86f42): even on random indices, which share almost nothing, the CUDA plan's mostly masked 64-row tiles
+ran 8.50 ms at ``h = 16`` against 9.67 for Triton's query programs (earlier kernels lost there, which is
+what the cost rule was for). ``fallback="cost"`` opts into the measured tile-cost
 rule for a plan the caller passes (``quilt_pays_off``, ``cuda_pays_off``): it reads the plan's tile counts
 on the host once (one sync, cached in the plan), so it belongs where a plan is built once and reused.
 
@@ -38,10 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("auto", "triton", "cuda")  # attention backends (the planner's own are ``planner.plan.BACKENDS``)
+from .ops import cuda_backend
+from .ops.shapes import default_group_size, program_shape
+from .planner import plan_workspace_bytes
+
+BACKENDS = ("auto", "triton", "cuda")  # attention backends (the planner's own: ``planner.plan.PLANNER_BACKENDS``)
 LN2 = math.log(2.0)
 
-# Tile costs of the measured rule (``fallback="cost"``), H200 (benchmarks/NOTES.md, BENCHMARKS.md):
+# Tile costs of the measured rule (``fallback="cost"``), H200 (docs/learned.md, section 5):
 # a 64-row Triton tile over a 16-row one (1.96 measured);
 TILE64_OVER_TILE16 = 2.0
 # the time of a tile, ns, aggregated over the benchmark grid (benchmarks/results/h200.json): a 64-row CUDA
@@ -50,15 +57,99 @@ TILE64_OVER_TILE16 = 2.0
 CUDA_TILE_NS = 16.3
 TRITON_QP_TILE_NS = {16: 17.5, 32: 20.6}
 
+# Triton's 64-row QUILT programs pay where they hold at least this many queries (h <= 16): at 32 heads the
+# measured tile-cost rule chose query programs on every preset of the H200 grid (benchmarks/results/h200.json).
+TRITON_MIN_QUERIES = 4
+
 _WARNED: set = set()
 
 
+# ----------------------------------------------------------------------------- settings
+def check_fallback(fallback) -> bool | str:
+    """``fallback`` as ``True``, ``False`` or ``"cost"``; anything else raises ``ValueError``."""
+    if isinstance(fallback, str):
+        if fallback == "cost":
+            return fallback
+    elif isinstance(fallback, (bool, int)) and fallback in (0, 1):
+        return bool(fallback)
+    raise ValueError(f"fallback must be True, False or 'cost', got {fallback!r}")
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The planner settings of a ``sparse_prefill`` call (also of ``plan_ahead`` and ``workspace_bytes``): the plan
+    the call builds when it is given none, and whether it runs a plan at all (``decide``).
+
+    Attributes
+    ----------
+    group_size : queries a plan group (see ``quilt_attn.plan``); None: the queries one program holds (``64 // h``,
+        at most 8; 8 at ``h >= 64``, ``ops.sparse_attention.default_group_size``). A wider group's shared tiles
+        would be run by each of its programs, so it saves no kernel work and plans slower.
+    tile, clip_threshold, importance_clip : as in ``quilt_attn.plan``; ``tile`` a power of two >= 16.
+    merge_level : where the cascade stops; None: the queries one program holds (``64 // h``, at most
+        ``group_size``), so that every tile fills a 64-row matrix product.
+    split_private : rows one query owns alone run in 16-row query programs instead of 64-row tiles (see
+        ``quilt_attn.plan``); Triton only: the CUDA backend keeps them in its 64-row tiles (a query's own tile
+        costs it as much as a shared one) unless ``importance_clip``.
+    fallback : True: where one query fills a 64-row tile (``h > 32``) run query programs and plan nothing; where
+        a program holds several queries always run the plan (the settings rule, no host sync). False: always
+        run the plan. ``"cost"``: with a given ``plan``, the measured tile-cost rule decides whether sharing
+        pays off (one host read of the plan's tile counts, cached in the plan).
+    """
+
+    group_size: int | None = None
+    tile: int = 64
+    clip_threshold: float = 0.5
+    importance_clip: bool = False
+    merge_level: int | None = None
+    split_private: bool = True
+    fallback: bool | str = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "fallback", check_fallback(self.fallback))
+
+
+DEFAULT_SETTINGS = PlanSettings()
+
+
+def check_settings(settings) -> PlanSettings:
+    """``settings`` itself, or the defaults for None; anything else raises ``TypeError`` naming it."""
+    if settings is None:
+        return DEFAULT_SETTINGS
+    if not isinstance(settings, PlanSettings):
+        raise TypeError(f"settings must be a quilt_attn.PlanSettings or None, got {type(settings).__name__}")
+    return settings
+
+
+# Triton tuning, private (``sparse_prefill(_triton=...)``, for the benchmarks and the tests): the split of d_v
+# across programs (1 or 2), Triton's launch knobs (None: the measured defaults by program shape), and whether
+# an FP8 cache is expanded once a call (True), dequantized on load (False) or as ``kernel_kv`` decides (None).
+TRITON_TUNING = {"dv_split": 1, "num_warps": None, "num_stages": None, "fp8_expand": None}
+
+
+def triton_tuning(tuning=None) -> dict:
+    """``tuning`` (a dict of ``TRITON_TUNING``'s keys, or None) with the defaults filled in; unknown keys or a
+    non-bool ``fp8_expand`` raise ``TypeError``."""
+    if tuning is None:
+        return dict(TRITON_TUNING)
+    if not isinstance(tuning, dict):
+        raise TypeError(f"_triton must be a dict or None, got {type(tuning).__name__}")
+    unknown = sorted(set(tuning) - set(TRITON_TUNING))
+    if unknown:
+        raise TypeError(f"_triton: unknown key(s) {unknown}; known: {list(TRITON_TUNING)}")
+    tuning = {**TRITON_TUNING, **tuning}
+    if tuning["fp8_expand"] is not None and not isinstance(tuning["fp8_expand"], bool):
+        raise TypeError(f"fp8_expand must be None or a bool, got {type(tuning['fp8_expand']).__name__}")
+    return tuning
+
+
+def triton_knobs(tuning: dict) -> bool:
+    """Whether ``tuning`` (``triton_tuning``'s) asks for Triton-only tuning (``choose_backend``'s ``triton_knobs``)."""
+    return (tuning["dv_split"] != 1 or tuning["num_warps"] is not None or tuning["num_stages"] is not None
+            or tuning["fp8_expand"] is False)
+
+
 # ----------------------------------------------------------------------------- backend
-def triton_knobs(dv_split, num_warps, num_stages, fp8_expand) -> bool:
-    """Whether Triton-only tuning was asked for (``choose_backend``'s ``triton_knobs``); checks ``fp8_expand``."""
-    if fp8_expand is not None and not isinstance(fp8_expand, bool):
-        raise TypeError(f"fp8_expand must be None or a bool, got {type(fp8_expand).__name__}")
-    return dv_split != 1 or num_warps is not None or num_stages is not None or fp8_expand is False
 
 
 def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None, *, tile: int = 64,
@@ -72,14 +163,12 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
     """
     if backend == "triton":
         return backend
-    from .ops import cuda_backend
-
     dense = kv if kv.dtype != torch.uint8 else q.new_empty(0, q.shape[2])  # an FP8 cache is expanded first
     reason = cuda_backend.unavailable_reason(q.device) or cuda_backend.unsupported_reason(q, dense, d_v, plan)
     if reason is None and plan is None and tile != cuda_backend.TILE:
         reason = f"the CUDA backend runs tile = {cuda_backend.TILE}, got {tile}"
     if reason is None and triton_knobs:
-        reason = "dv_split, num_warps, num_stages and fp8_expand=False tune the Triton kernel"
+        reason = "the _triton tuning (dv_split, num_warps, num_stages, fp8_expand=False) is the Triton kernel's"
     if reason is None:
         return "cuda"
     if backend == "cuda":
@@ -96,7 +185,7 @@ def kernel_kv(q: torch.Tensor, kv: torch.Tensor, backend: str, topk: int, fp8_ex
     ``fp8_expand`` (None: when the call gathers at least ``s_kv`` rows), else as given (dequantized on load)."""
     if kv.dtype != torch.uint8:
         return kv
-    from .ops.fp8_expand import expand_fp8, expansion_pays_off
+    from .ops.fp8_expand import expand_fp8, expansion_pays_off  # a Triton kernel module: imported when first used
 
     if backend != "cuda" and fp8_expand is None:
         fp8_expand = expansion_pays_off(kv.shape[0], q.shape[0], topk)
@@ -104,16 +193,6 @@ def kernel_kv(q: torch.Tensor, kv: torch.Tensor, backend: str, topk: int, fp8_ex
 
 
 # ----------------------------------------------------------------------------- decision
-def check_fallback(fallback) -> bool | str:
-    """``fallback`` as ``True``, ``False`` or ``"cost"``; anything else raises ``ValueError``."""
-    if isinstance(fallback, str):
-        if fallback == "cost":
-            return fallback
-    elif isinstance(fallback, (bool, int)) and fallback in (0, 1):
-        return bool(fallback)
-    raise ValueError(f"fallback must be True, False or 'cost', got {fallback!r}")
-
-
 @dataclass(frozen=True)
 class Decision:
     """What a call runs.
@@ -128,8 +207,8 @@ class Decision:
     kernel: str
 
 
-def decide(backend: str, method: str, h: int, *, group_size: int | None = None, fallback: bool | str = True,
-           importance_clip: bool = False, plan=None, auto: bool = False) -> Decision:
+def decide(backend: str, method: str, h: int, settings: PlanSettings | None = None, *, plan=None,
+           auto: bool = False) -> Decision:
     """The work a call runs (see the module docstring for the rule).
 
     Parameters
@@ -137,25 +216,26 @@ def decide(backend: str, method: str, h: int, *, group_size: int | None = None, 
     backend : the resolved backend, ``"triton"`` or ``"cuda"`` (``choose_backend``).
     method : ``"quilt"`` or ``"query_parallel"``.
     h : heads of q.
-    group_size, importance_clip : the plan's settings (those of ``plan`` when one is given); group_size
-        None: ``sparse_prefill``'s default.
-    fallback : True (the settings rule), False (always run the plan) or ``"cost"`` (the measured tile-cost
-        rule; needs ``plan``, whose tile counts it reads on the host once).
+    settings : the call's ``PlanSettings`` (None: the defaults); its ``fallback`` is the rule, True (the
+        settings rule), False (always run the plan) or ``"cost"`` (the measured tile-cost rule; needs ``plan``,
+        whose tile counts it reads on the host once). A given ``plan``'s group size and importance clipping
+        stand for the settings'.
     plan : the caller's plan, or None.
     auto : the backend was chosen by ``backend="auto"`` (which may hand CUDA query programs to Triton).
 
     Reads no tensor data unless ``fallback="cost"``.
     """
-    from .ops.sparse_attention import default_group_size, program_shape
-
-    fallback = check_fallback(fallback)
+    settings = check_settings(settings)
+    fallback = settings.fallback
     if fallback == "cost" and plan is None and method == "quilt":
         raise ValueError("fallback='cost' reads the tile counts of a plan the caller passes (one host sync a "
-                         "plan): pass plan= (or plans=), or use fallback=True")
+                         "plan): pass plan=, or use fallback=True")
     if plan is not None:
         group_size, importance_clip = plan.group_size, plan.importance_clip
-    elif group_size is None:
-        group_size = default_group_size(h)
+    else:
+        group_size, importance_clip = settings.group_size, settings.importance_clip
+        if group_size is None:
+            group_size = default_group_size(h)
     if method != "quilt":
         quilt = False
     elif fallback is False or importance_clip:
@@ -165,56 +245,45 @@ def decide(backend: str, method: str, h: int, *, group_size: int | None = None, 
     elif fallback == "cost":
         quilt = quilt_pays_off(plan, h) if backend == "triton" else (not auto or cuda_pays_off(plan, h))
     else:
-        quilt = True
+        quilt = backend == "cuda" or program_shape(h, group_size)[0] >= TRITON_MIN_QUERIES
     kernel = backend
     if backend == "cuda" and not quilt and auto and program_shape(h, 1)[1] < 64:
         kernel = "triton"  # a CUDA query program would compute a whole 64-row tile for h rows
     return Decision(quilt, kernel)
 
 
-def plan_settings(h: int, backend: str | None = None, *, group_size: int | None = None, tile: int = 64,
-                  clip_threshold: float = 0.5, importance_clip: bool = False, merge_level: int | None = None,
-                  split_private: bool = True) -> dict:
-    """``quilt_attn.plan`` keywords (without ``s_kv`` / ``topk_length``) of the plan a call builds.
+def plan_settings(h: int, backend: str | None = None, settings: PlanSettings | None = None) -> dict:
+    """``quilt_attn.plan`` keywords (without ``s_kv`` / ``topk_length``) of the plan a call with ``settings``
+    builds.
 
     Parameters
     ----------
     h : heads of the q the plan serves.
     backend : ``"cuda"``: private rows stay in the 64-row tiles (``split_private = importance_clip``
-        whatever is given: importance clipping clips the private lists, which then run in the Triton query
-        pass that continues the CUDA state); ``"triton"`` or None: ``split_private`` as given.
-    group_size : default the queries one program holds (``ops.sparse_attention.default_group_size``).
-    merge_level : default the queries one program holds (``64 // h``, at most ``group_size``), so that
-        every tile fills a 64-row matrix product.
-    tile, clip_threshold, importance_clip, split_private : as in ``quilt_attn.plan``; ``tile`` must be a
-        power of two >= 16 (the kernels' tile).
+        whatever is set: importance clipping clips the private lists, which then run in the Triton query
+        pass that continues the CUDA state); ``"triton"`` or None: ``split_private`` as set.
+    settings : ``PlanSettings`` (None: the defaults); ``group_size`` and ``merge_level`` None become the
+        queries one program holds (``ops.sparse_attention.default_group_size``, ``program_shape``); ``tile``
+        must be a power of two >= 16 (the kernels' tile).
     """
-    from .ops.sparse_attention import default_group_size, program_shape
-
-    if group_size is None:
-        group_size = default_group_size(h)
+    st = check_settings(settings)
+    group_size = default_group_size(h) if st.group_size is None else st.group_size
+    tile = st.tile
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 16 or tile & (tile - 1):
         raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {tile!r}")
-    if merge_level is None:
-        merge_level = program_shape(h, group_size)[0]
-    if backend == "cuda":
-        split_private = bool(importance_clip)
-    return dict(group_size=group_size, tile=tile, clip_threshold=clip_threshold, importance_clip=importance_clip,
-                merge_level=merge_level, split_private=split_private)
+    merge_level = program_shape(h, group_size)[0] if st.merge_level is None else st.merge_level
+    split_private = bool(st.importance_clip) if backend == "cuda" else st.split_private
+    return dict(group_size=group_size, tile=tile, clip_threshold=st.clip_threshold,
+                importance_clip=st.importance_clip, merge_level=merge_level, split_private=split_private)
 
 
-def workspace_bytes(s_q: int, topk: int, h: int, *, s_kv: int, backend: str, group_size: int | None = None,
-                    tile: int = 64, clip_threshold: float = 0.5, importance_clip: bool = False,
-                    merge_level: int | None = None, split_private: bool = True, fallback: bool | str = True) -> int:
-    """Bytes of the ``workspace`` that ``sparse_prefill(..., workspace=...)`` plans in with these settings
+def workspace_bytes(s_q: int, topk: int, h: int, *, s_kv: int, backend: str,
+                    settings: PlanSettings | None = None) -> int:
+    """Bytes of the ``workspace`` that ``sparse_prefill(..., settings=settings, workspace=...)`` plans in
     (0 where the call plans nothing); ``backend`` resolved (``choose_backend``)."""
-    if not decide(backend, "quilt", h, group_size=group_size, fallback=fallback,
-                  importance_clip=importance_clip).quilt:
+    if not decide(backend, "quilt", h, settings).quilt:
         return 0
-    from .planner import plan_workspace_bytes
-
-    pkw = plan_settings(h, backend, group_size=group_size, tile=tile, clip_threshold=clip_threshold,
-                        importance_clip=importance_clip, merge_level=merge_level, split_private=split_private)
+    pkw = plan_settings(h, backend, settings)
     return plan_workspace_bytes(s_q, topk, group_size=pkw["group_size"], merge_level=pkw["merge_level"],
                                 tile=pkw["tile"], split_private=pkw["split_private"], s_kv=s_kv)
 
@@ -236,8 +305,6 @@ def quilt_pays_off(plan, h: int, margin: float = 0.95) -> bool:
     Counts tile-times: a shared 64-row tile costs ``TILE64_OVER_TILE16`` 16-row query tiles. One host
     sync, cached in the plan (``Plan.cached``).
     """
-    from .ops.sparse_attention import program_shape
-
     qp, hb = program_shape(h, plan.group_size)
     if qp == 1:  # one query fills the 64 rows: nothing to share inside a tile
         return False
@@ -256,10 +323,8 @@ def cuda_pays_off(plan, h: int) -> bool:
     query programs at ``h`` heads.
 
     With little sharing the CUDA kernel's 64-row tiles are mostly masked while Triton runs 16- or 32-row
-    query programs (random indices at h = 16: about 15%). One host sync, cached in the plan.
+    query programs; the tile costs below decide which is faster. One host sync, cached in the plan.
     """
-    from .ops.sparse_attention import program_shape
-
     qp = program_shape(h, plan.group_size)[0]
     rows16 = program_shape(h, 1)[1]
     if qp == 1 or rows16 not in TRITON_QP_TILE_NS:

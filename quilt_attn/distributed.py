@@ -33,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 from ._checks import canonical_indices, check_topk_length, require_ndim, require_same_device, require_tensor
+from .api import sparse_prefill
+from .dispatch import decide
+from .pipeline import plan_ahead
 
 FETCH_MODES = ("auto", "all_gather", "needed")
 # "needed" is chosen when the most remote rows any rank needs are at most this fraction of the rows the
@@ -40,8 +43,6 @@ FETCH_MODES = ("auto", "all_gather", "needed")
 # and an index gather on every owner, where the all-gather is one bandwidth-optimal collective: it must
 # save a clear share of the bytes to pay. A design margin, not a measured crossover.
 FETCH_FACTOR = 0.5
-# sparse_prefill keywords that set the plan (passed to plan_ahead, which plans beside the kv transfer)
-_PLAN_KEYS = ("group_size", "tile", "clip_threshold", "importance_clip", "merge_level", "split_private")
 _ID_BYTES = 4  # an int32 row id
 
 
@@ -210,17 +211,12 @@ def _group_rank(group) -> tuple[int, int]:
 def _plan(indices, h, s_kv, topk_length, backend, kw):
     """The plan ``sparse_prefill`` would build (``plan_ahead``: on a GPU, on a side stream beside the kv
     transfer), or None where it would not plan (query-parallel method, h > 32 with fallback, no queries)."""
-    from .dispatch import decide
-    from .pipeline import plan_ahead
-
     if indices.shape[0] == 0:
         return None
     # the same rule as sparse_prefill's (the backend matters only to the cost rule, which needs a given plan)
-    if not decide("triton", kw.get("method", "quilt"), h, group_size=kw.get("group_size"),
-                  fallback=kw.get("fallback", True), importance_clip=kw.get("importance_clip", False)).quilt:
+    if not decide("triton", kw.get("method", "quilt"), h, kw.get("settings")).quilt:
         return None
-    pkw = {k: kw[k] for k in _PLAN_KEYS if k in kw}
-    return plan_ahead(indices, h, s_kv=s_kv, topk_length=topk_length, backend=backend, **pkw)
+    return plan_ahead(indices, h, s_kv=s_kv, topk_length=topk_length, settings=kw.get("settings"), backend=backend)
 
 
 def sparse_prefill_cp(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float | None = None, *,
@@ -246,9 +242,8 @@ def sparse_prefill_cp(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     stats : optional dict, filled with ``fetch`` (the mode run), ``rows_needed`` (distinct valid rows the
         indices reference; "needed" / "auto" only), ``rows_received`` (kv rows received from other ranks)
         and ``bytes_received`` (kv bytes plus row ids received from other ranks).
-    **prefill_kw : further ``sparse_prefill`` keywords (``method``, ``fallback``, ``group_size``, ``tile``,
-        ``clip_threshold``, ``importance_clip``, ``merge_level``, ``split_private``, ``fp8_expand``, ...);
-        the plan settings among them go to the plan.
+    **prefill_kw : further ``sparse_prefill`` keywords (``method``, ``settings``, ...); ``settings`` also sets
+        the plan, built beside the kv transfer.
 
     Returns
     -------
@@ -310,10 +305,7 @@ def sparse_prefill_cp(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
         if s_q == 0:
             return (q.new_zeros(0, h, d_v), torch.zeros(0, h, dtype=torch.float32, device=dev),
                     torch.zeros(0, h, dtype=torch.float32, device=dev))
-        from .api import sparse_prefill
-
-        run_kw = {k: v for k, v in kw.items() if k not in _PLAN_KEYS or plans[0] is None}
-        return sparse_prefill(q, kv_full, idx, sm_scale, plan=plans[0], **run_kw)
+        return sparse_prefill(q, kv_full, idx, sm_scale, plan=plans[0], **kw)
 
     plans = [None]
     row_bytes = kv.shape[1] * kv.element_size()

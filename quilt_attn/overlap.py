@@ -86,8 +86,12 @@ class OverlapProfile:
         return "\n".join(lines)
 
     def plot(self, path, title: str | None = None) -> None:
-        """Write a PNG: processed-row ratios and shared fractions against group size."""
-        import matplotlib
+        """Write a PNG: processed-row ratios and shared fractions against group size (needs matplotlib, which
+        the rest of the package does not)."""
+        try:
+            import matplotlib
+        except ImportError as err:  # a dependency of the benchmark harness, not of the library
+            raise ImportError("OverlapProfile.plot needs matplotlib (pip install matplotlib)") from err
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -124,6 +124,66 @@ def make_inputs(s_q=16, h=4, s_kv=96, topk=40, *, d_qk=80, d_v=64, dtype=torch.f
     return q, kv, indices.to(device)
 
 
+# ----------------------------------------------------------------------------- call arguments
+PLAN_KEYS = ("group_size", "tile", "clip_threshold", "importance_clip", "merge_level", "split_private", "fallback")
+TRITON_KEYS = ("dv_split", "num_warps", "num_stages", "fp8_expand")
+
+
+def prefill_kw(**kw) -> dict:
+    """``sparse_prefill`` keywords from flat ones: the planner settings among them (``PLAN_KEYS``) become
+    ``settings=PlanSettings(...)``, the private Triton tuning (``TRITON_KEYS``) ``_triton={...}``; the rest pass
+    as given. Lets a test name one setting, ``run(..., group_size=4)``."""
+    from quilt_attn import PlanSettings
+
+    plan = {k: kw.pop(k) for k in PLAN_KEYS if k in kw}
+    tuning = {k: kw.pop(k) for k in TRITON_KEYS if k in kw}
+    if plan:
+        kw["settings"] = PlanSettings(**plan)
+    if tuning:
+        kw["_triton"] = tuning
+    return kw
+
+
+# ----------------------------------------------------------------------------- command lines
+@pytest.fixture
+def restore_triton_interpret(monkeypatch):
+    """A command line's ``main`` may set TRITON_INTERPRET=1 (no GPU); keep that from leaking into other tests."""
+    if "TRITON_INTERPRET" in os.environ:
+        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
+    else:  # set first so that monkeypatch records "absent" and deletes it again afterwards
+        monkeypatch.setenv("TRITON_INTERPRET", "")
+        monkeypatch.delenv("TRITON_INTERPRET")
+
+
+def cli_options(parser, command: str) -> list[str]:
+    """The ``--`` options of ``command``'s subparser in an argparse ``parser``."""
+    import argparse
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [o for a in sub.choices[command]._actions for o in a.option_strings if o.startswith("--")]
+
+
+def check_help_mentions_every_option(main, parser, command: str, capsys) -> None:
+    """``main([command, "--help"])`` exits 0 and its text names every option of the subcommand (``--quiet`` too)."""
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    options = cli_options(parser, command)
+    assert "--help" in options and "--quiet" in options
+    for option in options:
+        assert option in out, f"{command} --help does not mention {option}"
+
+
+def check_bad_argument_named(main, argv, needle: str, capsys) -> None:
+    """``main(argv)`` stops parsing with exit status 2 and an error naming ``needle`` (the argument)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "error" in err
+
+
 # ----------------------------------------------------------------------------- NaN poisoning
 @pytest.fixture
 def nan_poison(monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import KERNEL_DEVICE, make_inputs, randn, random_indices
+from conftest import KERNEL_DEVICE, make_inputs, prefill_kw, randn, random_indices
 from quilt_attn import plan as make_plan
 from quilt_attn import quantize_fp8, sparse_prefill, sparse_prefill_reference
 from quilt_attn.compat import flash_mla_sparse_fwd
@@ -25,7 +25,7 @@ def small(device="cpu", **kw):
 def call(q, kv, idx, **kw):
     kw.setdefault("d_v", 64)
     kw.setdefault("tile", 16)
-    return sparse_prefill(q, kv, idx, **kw)
+    return sparse_prefill(q, kv, idx, **prefill_kw(**kw))
 
 
 # ----------------------------------------------------------------------------- q / kv
@@ -240,6 +240,30 @@ def test_planner_settings_errors():
         call(q, kv, idx, importance_clip=True, merge_level=2, group_size=4, split_private=False)
     with pytest.raises(ValueError, match="the kernel needs a plan tile that is a power of two >= 16, got 8"):
         call(q, kv, idx, tile=8)
+
+
+def test_settings_argument():
+    """Planner settings come in one frozen ``PlanSettings``, checked where they are made; Triton tuning is private."""
+    import dataclasses
+    import inspect
+
+    from quilt_attn import PlanSettings
+
+    assert list(inspect.signature(sparse_prefill).parameters) == [
+        "q", "kv", "indices", "sm_scale", "d_v", "attn_sink", "topk_length", "plan", "backend", "method", "settings",
+        "workspace", "_triton"]
+    q, kv, idx = small()
+    with pytest.raises(TypeError, match="settings must be a quilt_attn.PlanSettings or None, got dict"):
+        sparse_prefill(q, kv, idx, settings={"group_size": 4})
+    with pytest.raises(TypeError, match="group_size"):  # not a keyword of sparse_prefill
+        sparse_prefill(q, kv, idx, group_size=4)
+    with pytest.raises(ValueError, match="fallback must be True, False or 'cost', got 'x'"):
+        PlanSettings(fallback="x")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PlanSettings().tile = 32
+    assert PlanSettings(fallback=1).fallback is True
+    with pytest.raises(TypeError, match=r"_triton must be a dict or None, got int"):
+        sparse_prefill(q, kv, idx, _triton=2)
 
 
 @pytest.mark.interpret

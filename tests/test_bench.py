@@ -1,9 +1,10 @@
-"""The benchmark helpers the kernel tools share (CPU: the work argument; the launch itself needs the GPU)."""
+"""The benchmark helpers the kernel tools share, ``quilt_bench.bench`` (CPU: the work argument; the launch itself
+needs the GPU)."""
 import pytest
 import torch
 
-from quilt_attn import bench
-from quilt_attn.bench import Case, cuda_call, cuda_work, make_inputs
+from quilt_bench import bench
+from quilt_bench.bench import Case, cuda_call, cuda_work, make_inputs
 
 
 def _inputs(h):
@@ -40,7 +41,7 @@ def test_cuda_call_poisons_its_outputs():
 
 def test_plans_equal_compares_every_tensor_field():
     from quilt_attn import plan as make_plan
-    from quilt_attn.bench import plans_equal
+    from quilt_bench.bench import plans_equal
 
     idx = _inputs(8).indices
     a = make_plan(idx, s_kv=512, merge_level=8, backend="torch")

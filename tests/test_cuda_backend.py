@@ -14,7 +14,7 @@ import torch
 from conftest import (HAS_CUDA, KERNEL_DEVICE, TOLERANCES, assert_matches_reference, make_inputs, natural_stats,
                       random_indices, randn)
 from quilt_attn import plan as make_plan
-from quilt_attn import sparse_prefill, sparse_prefill_reference
+from quilt_attn import PlanSettings, sparse_prefill, sparse_prefill_reference
 from quilt_attn.dispatch import choose_backend
 from quilt_attn.ops import cuda_backend
 
@@ -80,7 +80,7 @@ def test_given_plan_at_64_heads_runs_query_programs(cuda_stand_in, fallback, icl
     plans = cuda_stand_in
     q, kv, idx = make_inputs(16, 64, s_kv=128, topk=32, device=KERNEL_DEVICE)
     p = make_plan(idx, s_kv=128, tile=16, merge_level=1, importance_clip=iclip, split_private=iclip)
-    got = sparse_prefill(q, kv, idx, plan=p, d_v=64, fallback=fallback, backend="cuda")
+    got = sparse_prefill(q, kv, idx, plan=p, d_v=64, settings=PlanSettings(fallback=fallback), backend="cuda")
     assert (plans[0] is not None) == runs_plan
     if not iclip:
         assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, d_v=64), torch.float16)

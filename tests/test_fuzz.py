@@ -34,7 +34,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import KERNEL_DEVICE, KERNELS_CAN_RUN, TOLERANCES, rel_l2
+from conftest import KERNEL_DEVICE, KERNELS_CAN_RUN, TOLERANCES, prefill_kw, rel_l2
 from quilt_attn import dequantize_fp8, plan as make_plan, quantize_fp8, sparse_prefill, sparse_prefill_reference
 from quilt_attn.compat import flash_mla_sparse_fwd
 from quilt_attn.planner import member_masks
@@ -311,6 +311,8 @@ def cases(draw, methods=("quilt", "query_parallel", "reference"), faults=True, f
     note = nonfinite
     sel = selected_rows(idx, s_kv, tl)
     vals = torch.tensor(NONFINITE)
+    # Triton's interpreter decodes the e4m3fn NaN byte as 480 (the GPU as NaN): no NaN in an FP8 cache there
+    fp8_no_nan = kind == "fp8" and method != "reference" and KERNEL_DEVICE.type == "cpu"
     if nonfinite == "q" and q.numel():
         for _ in range(draw(st.integers(1, 3))):
             i, hh, c = (int(torch.randint(0, n, (1,), generator=g)) for n in q.shape)
@@ -320,7 +322,7 @@ def cases(draw, methods=("quilt", "query_parallel", "reference"), faults=True, f
         for _ in range(draw(st.integers(1, 3)) if pool else 0):
             r = pool[int(torch.randint(0, len(pool), (1,), generator=g))]
             c = int(torch.randint(0, d_qk, (1,), generator=g))
-            kv[r, c] = vals[int(torch.randint(0, 3, (1,), generator=g))]
+            kv[r, c] = vals[int(torch.randint(0, 2 if fp8_no_nan and c < 512 else 3, (1,), generator=g))]
             if nonfinite == "kv_unselected" and draw(st.booleans()):
                 kv[r] = float("nan")  # a whole row of NaN nobody selects
 
@@ -435,13 +437,13 @@ def apply_fault(c: Case) -> dict:
 
 
 def call(args: dict):
-    a = dict(args)
-    return sparse_prefill(a.pop("q"), a.pop("kv"), a.pop("indices"), a.pop("sm_scale"), **a)
+    a = dict(args)  # planner settings and Triton tuning by name (conftest.prefill_kw)
+    return sparse_prefill(a.pop("q"), a.pop("kv"), a.pop("indices"), a.pop("sm_scale"), **prefill_kw(**a))
 
 
 def check_case(c: Case, dtype=torch.float16):
-    if c.fault in ("plan_other", "plan_tl") and c.method != "quilt":
-        c.fault = "none"
+    if c.fault in ("plan_other", "plan_tl") and (c.method != "quilt" or c.q.shape[0] == 0):
+        c.fault = "none"  # (a plan of no query fits any call of no query: nothing differs)
     args = apply_fault(c)
     if c.plan_kw is not None and c.fault == "none":
         args["plan"] = make_plan(c.indices, topk_length=c.topk_length, **c.plan_kw)
@@ -528,7 +530,7 @@ def plan_cases(draw):
     G = draw(st.sampled_from([1, 2, 4, 8, 16]))
     kw = dict(group_size=G, merge_level=draw(st.sampled_from([m for m in (1, 2, 4, 8, 16) if m <= G])),
               tile=draw(st.sampled_from([1, 3, 16, 32, 64])), clip_threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
-              split_private=draw(st.booleans()), method=draw(st.sampled_from(["bitmap", "sort"])),
+              split_private=draw(st.booleans()), mask_method=draw(st.sampled_from(["bitmap", "sort"])),
               s_kv=draw(st.sampled_from([s_kv, None])))
     kw["backend"] = draw(st.sampled_from(["torch", "triton"])) if kw["tile"] in (16, 32, 64) else "torch"
     return idx, tl, kw
@@ -573,12 +575,12 @@ def test_plan_fuzz(case):
 
 @fuzz(30)
 @given(case=plan_cases(), bad=st.sampled_from(["group_size", "merge_level", "tile", "clip_threshold", "s_kv",
-                                               "method", "backend", "topk_length", "indices"]))
+                                               "mask_method", "backend", "topk_length", "indices"]))
 def test_plan_errors_fuzz(case, bad):
     idx, tl, kw = case
     kw = dict(kw, backend="torch")
     exc, value = {"group_size": (ValueError, 3), "merge_level": (ValueError, 32), "tile": (ValueError, 0),
-                  "clip_threshold": (ValueError, 1.5), "s_kv": (ValueError, 0), "method": (ValueError, "scan"),
+                  "clip_threshold": (ValueError, 1.5), "s_kv": (ValueError, 0), "mask_method": (ValueError, "scan"),
                   "backend": (ValueError, "gpu"), "topk_length": (TypeError, torch.ones(idx.shape[0])),
                   "indices": (TypeError, idx.float())}[bad]
     if bad == "indices":
@@ -596,7 +598,7 @@ def test_member_masks_fuzz(case):
     idx, tl, kw = case
     G = kw["group_size"]
     s_kv = kw["s_kv"]
-    masks, valid = member_masks(idx, G, s_kv=s_kv, topk_length=tl, method=kw["method"])
+    masks, valid = member_masks(idx, G, s_kv=s_kv, topk_length=tl, mask_method=kw["mask_method"])
     s_q, topk = idx.shape
     bound = s_kv if s_kv is not None else 2**31 - 1
     n = [topk] * s_q if tl is None else [max(0, min(int(x), topk)) for x in tl.tolist()]
@@ -729,6 +731,6 @@ def test_nonfinite_selected_row_reaches_only_its_queries(nan_poison):
     want = expected(q, kv, idx, None, 16)
     for method, kw in (("query_parallel", {}), ("quilt", dict(group_size=2, merge_level=2, split_private=True,
                                                                  fallback=False, tile=16))):
-        got = sparse_prefill(q, kv, idx, method=method, d_v=16, backend="triton", **kw)
+        got = sparse_prefill(q, kv, idx, method=method, d_v=16, backend="triton", **prefill_kw(**kw))
         assert torch.isnan(got[0][0]).all() and torch.isfinite(got[0][1]).all(), method
         assert_agrees(got, want, torch.float16, method)

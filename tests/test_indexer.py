@@ -1,4 +1,4 @@
-"""Fused lightning-indexer scores (quilt_attn.ops.indexer) against float64 and the layer's torch indexer.
+"""Fused lightning-indexer scores (quilt_bench.indexer) against float64 and the layer's torch indexer.
 
 Tolerances (stated once, used by every comparison below)
 --------------------------------------------------------
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, randn
-from quilt_attn.layer import DSALayer, DSALayerConfig, layer_proxy, rope
-from quilt_attn.ops.indexer import indexer_scores
+from quilt_bench.layer import DSALayer, DSALayerConfig, layer_proxy, rope
+from quilt_bench.indexer import indexer_scores
 
 F32_SLACK = 2.0
 U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

@@ -1,4 +1,4 @@
-"""DSA layer proxy (quilt_attn.layer) at a tiny size on the CPU, attention through the float64 reference."""
+"""DSA layer proxy (quilt_bench.layer) at a tiny size on the CPU, attention through the float64 reference."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from quilt_attn.layer import STAGES, DSALayer, DSALayerConfig, layer_proxy
+from quilt_bench.layer import STAGES, DSALayer, DSALayerConfig, layer_proxy
 from quilt_attn.workloads import generate
 
 CFG = DSALayerConfig.tiny()
@@ -29,7 +29,7 @@ def _inputs(layer, x):
     q, cq = layer.project_q(x, pos)
     kv = torch.cat([kv_pre, layer.project_kv(x, pos)])
     k_idx = x @ layer.wk_idx
-    from quilt_attn.layer import rope
+    from quilt_bench.layer import rope
 
     r = CFG.qk_rope_dim
     k_idx = torch.cat([k_pre, torch.cat([rope(k_idx[:, :r], pos), k_idx[:, r:]], dim=-1)])

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_matches_reference, make_inputs, random_indices
+from conftest import assert_matches_reference, make_inputs, prefill_kw, random_indices
 from quilt_attn import plan as make_plan
-from quilt_attn import plan_ahead, plan_chunks, sparse_prefill, sparse_prefill_pipelined, sparse_prefill_reference
+from quilt_attn import PlanSettings, plan_ahead, sparse_prefill, sparse_prefill_reference
 from quilt_attn.planner.source import PlanSource, plan_source
 
 F16 = torch.float16
@@ -25,7 +25,7 @@ def inputs(seed=0, device=None):
 
 
 def quilt(q, kv, idx, **kw):
-    return sparse_prefill(q, kv, idx, method="quilt", d_v=DV, tile=16, backend="triton", **kw)
+    return sparse_prefill(q, kv, idx, method="quilt", d_v=DV, backend="triton", **prefill_kw(tile=16, **kw))
 
 
 def ref(q, kv, idx, **kw):
@@ -81,14 +81,14 @@ def test_kv_rows_must_be_the_plans():
     assert p.source.mismatch(idx, 40, None) == "kv has s_kv = 40 rows but the plan was built for s_kv = 64"
 
 
-def test_pipelined_chunk_plans_are_slices_of_their_indices():
+def test_a_plan_of_a_row_slice_records_the_slice():
+    """A plan of some queries' rows (a context-parallel rank's) records that view of the caller's tensor."""
     q, kv, idx = inputs(device="cpu")
-    plans = plan_chunks(idx, H, s_kv=S_KV, chunk=8, tile=16)
-    assert [p.source.shape for p in plans] == [(8, TOPK), (8, TOPK)]
-    assert plans[1].source.data_ptr == idx[8:].data_ptr()
-    with pytest.raises(ValueError, match=r"plans\[0\] does not fit queries 0..8: indices are not the tensor"):
-        sparse_prefill_pipelined(q, kv, random_indices(S_Q, S_KV, TOPK, seed=5), d_v=DV, tile=16, plans=plans,
-                                 backend="triton")
+    p = make_plan(idx[8:], s_kv=S_KV, group_size=4, merge_level=4, tile=16)
+    assert p.source.shape == (8, TOPK) and p.source.data_ptr == idx[8:].data_ptr()
+    assert p.source.mismatch(idx[8:], S_KV, None) is None  # another view of the same rows
+    with pytest.raises(ValueError, match="plan does not fit this call: indices are not the tensor"):
+        quilt(q[8:], kv, idx[:8], plan=p)
 
 
 def test_source_is_host_metadata_and_names_what_differs():
@@ -128,7 +128,7 @@ def test_the_same_tensor_matches_its_plan(form, nan_poison):
 def test_plan_ahead_and_topk_length_match(nan_poison):
     q, kv, idx = inputs()
     tl = torch.randint(-3, TOPK + 9, (S_Q,), dtype=torch.int64, device=idx.device)
-    p = plan_ahead(idx, H, s_kv=S_KV, topk_length=tl, tile=16, backend="triton")
+    p = plan_ahead(idx, H, s_kv=S_KV, topk_length=tl, settings=PlanSettings(tile=16), backend="triton")
     assert p.source.mismatch(idx, S_KV, tl) is None
     assert_matches_reference(quilt(q, kv, idx, plan=p, topk_length=tl), ref(q, kv, idx, topk_length=tl), F16)
 
@@ -156,5 +156,5 @@ def test_plan_without_s_kv_on_a_shorter_kv_cuda_backend():
     q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(s_kv, 576, device="cuda", dtype=torch.bfloat16)
     p = make_plan(idx, group_size=4, merge_level=4)
-    got = sparse_prefill(q, kv, idx, method="quilt", plan=p, backend="cuda", fallback=False)
+    got = sparse_prefill(q, kv, idx, method="quilt", plan=p, backend="cuda", settings=PlanSettings(fallback=False))
     assert_matches_reference(got, sparse_prefill_reference(q, kv, idx), torch.bfloat16)

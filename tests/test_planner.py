@@ -24,7 +24,7 @@ try:  # the shared generators, once they exist; local ones below otherwise
 except ImportError:  # pragma: no cover - depends on the state of the tree
     _generate = None
 
-METHODS = ("sort", "bitmap")
+MASK_METHODS = ("sort", "bitmap")
 GROUPS = (1, 2, 4, 8, 16)
 TILES = (1, 2, 3, 4, 8, 16, 64)
 TAUS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -269,7 +269,7 @@ def plan_case(draw, force_misaligned=True):
     T = draw(st.sampled_from(TILES))
     tau = draw(st.sampled_from(TAUS))
     M = draw(st.sampled_from([m for m in GROUPS if m <= G]))
-    method = draw(st.sampled_from(METHODS))
+    mask_method = draw(st.sampled_from(MASK_METHODS))
     n_groups = draw(st.integers(0, 4))
     extra = draw(st.integers(1, G - 1)) if (G > 1 and force_misaligned) else draw(st.integers(0, G - 1))
     s_q = max(1, n_groups * G + extra)
@@ -296,12 +296,12 @@ def plan_case(draw, force_misaligned=True):
         g = torch.Generator().manual_seed(seed + 2)
         topk_length = torch.randint(0, topk + 2, (s_q,), generator=g, dtype=torch.int32)
     return dict(idx=idx, s_kv=s_kv if pass_s_kv else None, topk_length=topk_length,
-                G=G, T=T, tau=tau, M=M, method=method)
+                G=G, T=T, tau=tau, M=M, mask_method=mask_method)
 
 
 def _plan(c, **over):
     kw = dict(s_kv=c["s_kv"], topk_length=c["topk_length"], group_size=c["G"], tile=c["T"],
-              clip_threshold=c["tau"], merge_level=c["M"], method=c["method"], importance_clip=False)
+              clip_threshold=c["tau"], merge_level=c["M"], mask_method=c["mask_method"], importance_clip=False)
     kw.update(over)
     return plan(c["idx"], **kw)
 
@@ -352,22 +352,22 @@ def test_sort_and_bitmap_agree(kind, G):
     idx = add_invalid(idx, s_kv, 0.1, seed=G)
     tl = torch.randint(0, topk + 1, (s_q,), generator=torch.Generator().manual_seed(G), dtype=torch.int32)
     for topk_length in (None, tl):
-        ms, vs = member_masks(idx, G, s_kv=s_kv, topk_length=topk_length, method="sort")
-        mb, vb = member_masks(idx, G, s_kv=s_kv, topk_length=topk_length, method="bitmap")
+        ms, vs = member_masks(idx, G, s_kv=s_kv, topk_length=topk_length, mask_method="sort")
+        mb, vb = member_masks(idx, G, s_kv=s_kv, topk_length=topk_length, mask_method="bitmap")
         assert torch.equal(ms, mb) and torch.equal(vs, vb)
         for M, T, tau, imp in ((1, 4, 0.5, False), (1, 3, 1.0, True), (G, 16, 0.75, False), (min(2, G), 64, 0.25, False)):
             kw = dict(s_kv=s_kv, topk_length=topk_length, group_size=G, tile=T, clip_threshold=tau, merge_level=M,
                       importance_clip=imp)
-            _plans_equal(plan(idx, method="sort", **kw), plan(idx, method="bitmap", **kw))
+            _plans_equal(plan(idx, mask_method="sort", **kw), plan(idx, mask_method="bitmap", **kw))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mask_method", MASK_METHODS)
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
-def test_member_masks_and_levels_brute_force(method, G):
+def test_member_masks_and_levels_brute_force(mask_method, G):
     s_q, topk, s_kv = 37, 12, 40
     idx, s_kv = workload("correlated", s_q, s_kv, topk, seed=3 + G)
     idx = add_invalid(idx, s_kv, 0.15, seed=G)
-    masks, valid = member_masks(idx, G, s_kv=s_kv, method=method)
+    masks, valid = member_masks(idx, G, s_kv=s_kv, mask_method=mask_method)
     sel = valid_entries(idx, s_kv, None)
     sel += [{} for _ in range((-s_q) % G)]
     exp_m = torch.zeros(s_q, topk, dtype=torch.int32)
@@ -389,10 +389,10 @@ A, B, C, D, E, F, Gr, H = range(8)
 TABLE1 = torch.tensor([[A, B, C, E], [A, B, C, F], [A, B, D, Gr], [A, B, D, H]], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mask_method", MASK_METHODS)
 @pytest.mark.parametrize("G,rows", [(1, 16), (2, 10), (4, 8), (8, 8)])
-def test_table1(method, G, rows):
-    p = plan(TABLE1, s_kv=8, group_size=G, tile=1, method=method)
+def test_table1(mask_method, G, rows):
+    p = plan(TABLE1, s_kv=8, group_size=G, tile=1, mask_method=mask_method)
     check_structure(p)
     assert p.stats["valid_pairs"] == 16
     assert p.stats["rows_processed"] == rows
@@ -599,10 +599,10 @@ def test_bad_arguments():
     for tau in (-0.1, 1.01, float("nan")):
         with pytest.raises(ValueError, match="clip_threshold"):
             plan(idx, s_kv=32, clip_threshold=tau)
-    with pytest.raises(ValueError, match="method"):
-        plan(idx, s_kv=32, method="hash")
-    with pytest.raises(ValueError, match="method"):
-        member_masks(idx, 4, s_kv=32, method="hash")
+    with pytest.raises(ValueError, match="mask_method"):
+        plan(idx, s_kv=32, mask_method="hash")
+    with pytest.raises(ValueError, match="mask_method"):
+        member_masks(idx, 4, s_kv=32, mask_method="hash")
     for M in (0, 3, 16):
         with pytest.raises(ValueError):
             plan(idx, s_kv=32, group_size=8, merge_level=M)
@@ -627,39 +627,39 @@ def test_three_dim_indices_and_int64_topk_length():
     _plans_equal(a, b)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mask_method", MASK_METHODS)
 @pytest.mark.parametrize("s_kv", [None, 5])
-def test_all_invalid_rows(method, s_kv):
+def test_all_invalid_rows(mask_method, s_kv):
     """A batch with no valid entry plans to nothing (no tiles), whatever s_kv is."""
     idx = torch.full((5, 4), -1, dtype=torch.int32)
-    p = plan(idx, s_kv=s_kv, group_size=2, tile=2, method=method)
+    p = plan(idx, s_kv=s_kv, group_size=2, tile=2, mask_method=mask_method)
     check_structure(p)
     assert p.stats["tiles"] == 0 and p.stats["valid_pairs"] == 0 and p.stats["rows_processed"] == 0
-    masks, valid = member_masks(idx, 2, s_kv=s_kv, method=method)
+    masks, valid = member_masks(idx, 2, s_kv=s_kv, mask_method=mask_method)
     assert not valid.any() and not masks.any()
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_member_masks_s_kv_zero(method):
-    masks, valid = member_masks(torch.tensor([[0, 1], [1, -1]], dtype=torch.int32), 2, s_kv=0, method=method)
+@pytest.mark.parametrize("mask_method", MASK_METHODS)
+def test_member_masks_s_kv_zero(mask_method):
+    masks, valid = member_masks(torch.tensor([[0, 1], [1, -1]], dtype=torch.int32), 2, s_kv=0, mask_method=mask_method)
     assert not valid.any() and not masks.any()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mask_method", MASK_METHODS)
 @pytest.mark.parametrize("G", [1, 4])
-def test_empty_batch(method, G):
+def test_empty_batch(mask_method, G):
     """s_q = 0 is a legal shape; the plan is empty and its work list too."""
-    p = plan(torch.zeros((0, 6), dtype=torch.int32), s_kv=8, group_size=G, tile=2, method=method)
+    p = plan(torch.zeros((0, 6), dtype=torch.int32), s_kv=8, group_size=G, tile=2, mask_method=mask_method)
     assert p.n_groups == 0 and p.stats["tiles"] == 0 and p.dropped.shape == (0,)
     tiles, ntiles = p.work_list(1)
     assert tiles.shape[0] == 0 and ntiles.shape == (0,)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_rows_beyond_s_kv_ignored_without_s_kv_bound(method):
+@pytest.mark.parametrize("mask_method", MASK_METHODS)
+def test_rows_beyond_s_kv_ignored_without_s_kv_bound(mask_method):
     """With s_kv=None only negative entries are invalid; large rows are real rows."""
     idx = torch.tensor([[0, 1000, -1, 7], [1000, 7, 3, -5]], dtype=torch.int32)
-    p = plan(idx, group_size=2, tile=2, method=method)
+    p = plan(idx, group_size=2, tile=2, mask_method=mask_method)
     assert owned_pairs(p) == sorted([(0, 0), (0, 1000), (0, 7), (1, 1000), (1, 7), (1, 3)])
     assert p.stats["rows_processed"] == 4  # 7 and 1000 shared by the pair
 
@@ -675,26 +675,26 @@ _ON_GPU = torch.cuda.is_available()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _backend_case(G, M, T, tau, imp, method, device, s_q=37, topk=24, s_kv=200, seed=0, both_lengths=True,
+def _backend_case(G, M, T, tau, imp, mask_method, device, s_q=37, topk=24, s_kv=200, seed=0, both_lengths=True,
                   backend="triton", split=False):
     idx, s_kv = workload("correlated", s_q, s_kv, topk, seed=seed)
     idx = add_invalid(idx, s_kv, 0.1, seed=seed).to(device)
     tl = torch.randint(0, topk + 1, (s_q,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32).to(device)
     for topk_length in ((None, tl) if both_lengths else (tl,)):
         kw = dict(s_kv=s_kv, topk_length=topk_length, group_size=G, tile=T, clip_threshold=tau, merge_level=M,
-                  importance_clip=imp, method=method, split_private=split)
+                  importance_clip=imp, mask_method=mask_method, split_private=split)
         _plans_equal(plan(idx, backend=backend, **kw), plan(idx, backend="torch", **kw))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mask_method", MASK_METHODS)
 @pytest.mark.parametrize("G,M,T,tau,imp", [(1, 1, 64, 0.5, False), (2, 1, 4, 0.5, True), (4, 2, 8, 1.0, False),
                                            (8, 1, 16, 0.5, True), (8, 4, 64, 0.5, False), (8, 8, 2, 0.25, False),
                                            (16, 1, 32, 0.75, False), (16, 4, 1, 0.5, False)])
-def test_triton_backend_matches_torch_gpu(G, M, T, tau, imp, method):
+def test_triton_backend_matches_torch_gpu(G, M, T, tau, imp, mask_method):
     """The fused Triton planner equals the torch planner."""
-    _backend_case(G, M, T, tau, imp, method, "cuda")
+    _backend_case(G, M, T, tau, imp, mask_method, "cuda")
 
 
 @pytest.mark.gpu
@@ -784,8 +784,8 @@ def test_cuda_planner_scope_and_auto():
     idx = torch.randint(0, 4096, (64, 32), dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="group sizes up to 8"):
         plan(idx, s_kv=4096, group_size=16, backend="cuda")
-    with pytest.raises(ValueError, match="method='bitmap'"):
-        plan(idx, s_kv=4096, method="sort", backend="cuda")
+    with pytest.raises(ValueError, match="mask_method='bitmap'"):
+        plan(idx, s_kv=4096, mask_method="sort", backend="cuda")
     big = torch.randint(0, 4096, (16, 4096), dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="16384 entries a group"):
         plan(big, s_kv=4096, group_size=8, backend="cuda")

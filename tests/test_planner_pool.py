@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, KERNEL_DEVICE, KERNELS_CAN_RUN, assert_matches_reference, gen, make_inputs, randn
-from quilt_attn import quantize_fp8, sparse_prefill, sparse_prefill_reference
+from quilt_attn import PlanSettings, quantize_fp8, sparse_prefill, sparse_prefill_reference
 from quilt_attn.kv_cache import dequantize_fp8
 from quilt_attn.planner import PACK_ROW_MASK, PACK_SHIFT, member_masks, packs_columns, plan, plan_workspace_bytes
 from test_planner import _plans_equal, add_invalid, check_structure, owned_pairs, workload
@@ -24,7 +24,7 @@ POOL = 2**31 - 2  # the largest pool of slot ids (rows 0 .. 2**31 - 3)
 F16 = torch.float16
 DV = 64  # CPU kernel shapes: d_qk 80 = 64 + 16
 PLAN_FIELDS = ("tile_level", "tile_members", "group_tiles", "group_rows", "dropped", "priv_n", "valid_pairs")
-CONFIGS = [  # G, M, T, tau, importance_clip, split_private, method
+CONFIGS = [  # G, M, T, tau, importance_clip, split_private, mask_method
     (1, 1, 4, 0.5, False, False, "bitmap"), (2, 1, 4, 0.5, True, False, "sort"), (4, 2, 8, 1.0, False, True, "bitmap"),
     (4, 4, 4, 0.5, False, False, "sort"), (8, 1, 2, 0.75, True, False, "bitmap"), (8, 4, 4, 0.5, True, True, "bitmap"),
     (16, 4, 4, 0.5, False, True, "bitmap"), (16, 1, 8, 0.25, False, False, "sort"),
@@ -53,14 +53,14 @@ def _case(G, s_q=21, topk=12, s_kv=48, seed=0, invalid=0.1):
     return idx, s_kv, tl
 
 
-def _kw(G, M, T, tau, imp, split, method, **extra):
+def _kw(G, M, T, tau, imp, split, mask_method, **extra):
     return dict(group_size=G, merge_level=M, tile=T, clip_threshold=tau, importance_clip=imp, split_private=split,
-                method=method, **extra)
+                mask_method=mask_method, **extra)
 
 
 # ----------------------------------------------------------------------------- slot ids over a 2**31 - 2 pool
-@pytest.mark.parametrize("G,M,T,tau,imp,split,method", CONFIGS)
-def test_scattered_slot_ids_plan_like_the_compact_rows(G, M, T, tau, imp, split, method):
+@pytest.mark.parametrize("G,M,T,tau,imp,split,mask_method", CONFIGS)
+def test_scattered_slot_ids_plan_like_the_compact_rows(G, M, T, tau, imp, split, mask_method):
     """Rows renamed to slot ids anywhere in a 2**31 - 2 pool plan exactly as the compact rows do (the plan's
     rows renamed the same way): nothing in a plan depends on the row values but their identity."""
     idx, s_kv, tl = _case(G, seed=G + M)
@@ -69,8 +69,8 @@ def test_scattered_slot_ids_plan_like_the_compact_rows(G, M, T, tau, imp, split,
         if pool_s_kv is None:  # then only negatives are invalid: rows past the pool would be rows
             idx = torch.where(idx >= s_kv, -1, idx)
         ids = scatter_rows(idx, s_kv, POOL, seed=G * 7 + M)
-        small = plan(idx, s_kv=s_kv, topk_length=tl, backend="torch", **_kw(G, M, T, tau, imp, split, method))
-        big = plan(ids, s_kv=pool_s_kv, topk_length=tl, backend="torch", **_kw(G, M, T, tau, imp, split, method))
+        small = plan(idx, s_kv=s_kv, topk_length=tl, backend="torch", **_kw(G, M, T, tau, imp, split, mask_method))
+        big = plan(ids, s_kv=pool_s_kv, topk_length=tl, backend="torch", **_kw(G, M, T, tau, imp, split, mask_method))
         if not split:  # (check_structure counts no private lists)
             check_structure(big)
         assert small.packed == (G <= 8) and not big.packed
@@ -86,8 +86,8 @@ def test_scattered_slot_ids_plan_like_the_compact_rows(G, M, T, tau, imp, split,
 
 @triton_planner
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside Triton's interpreter
-@pytest.mark.parametrize("G,M,T,tau,imp,split,method", CONFIGS)
-def test_triton_planner_matches_torch_on_pool_slot_ids(G, M, T, tau, imp, split, method):
+@pytest.mark.parametrize("G,M,T,tau,imp,split,mask_method", CONFIGS)
+def test_triton_planner_matches_torch_on_pool_slot_ids(G, M, T, tau, imp, split, mask_method):
     """Triton (hash table) and torch (dense ids) planners agree on slot ids over the whole pool, with s_kv of the
     pool (wide columns), None (wide) and a packed-size bound (rows renamed into [0, 2**24 - 1))."""
     dev = KERNEL_DEVICE
@@ -95,7 +95,7 @@ def test_triton_planner_matches_torch_on_pool_slot_ids(G, M, T, tau, imp, split,
     bounds = [(POOL, POOL), (PACK_ROW_MASK, PACK_ROW_MASK)] + ([(POOL, None)] if G in (4, 16) else [])
     for hi, bound in bounds:
         ids = scatter_rows(idx, s_kv, hi, seed=G + M).to(dev)
-        kw = _kw(G, M, T, tau, imp, split, method, s_kv=bound, topk_length=tl.to(dev))
+        kw = _kw(G, M, T, tau, imp, split, mask_method, s_kv=bound, topk_length=tl.to(dev))
         want = plan(ids, backend="torch", **kw)
         _plans_equal(plan(ids, backend="triton", **kw), want)
         assert want.packed == packs_columns(bound, G)
@@ -139,10 +139,10 @@ def test_torch_planner_reads_nothing_back_on_the_host(monkeypatch):
     for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, host_sync)
     for s_kv in (None, POOL, 2**31 - 1):
-        for method in ("bitmap", "sort"):
-            plan(idx, s_kv=s_kv, topk_length=tl, group_size=4, merge_level=2, split_private=True, method=method,
-                 backend="torch")
-            plan(idx, s_kv=s_kv, group_size=8, importance_clip=True, method=method, backend="torch")
+        for mask_method in ("bitmap", "sort"):
+            plan(idx, s_kv=s_kv, topk_length=tl, group_size=4, merge_level=2, split_private=True,
+                 mask_method=mask_method, backend="torch")
+            plan(idx, s_kv=s_kv, group_size=8, importance_clip=True, mask_method=mask_method, backend="torch")
     monkeypatch.undo()
 
 
@@ -187,7 +187,7 @@ def test_packed_and_wide_plans_give_identical_attention(nan_poison, G, M, split)
     kw = dict(group_size=G, merge_level=M, tile=16, split_private=split)
     p_packed, p_wide = plan(idx, s_kv=s_kv, **kw), plan(idx, **kw)
     assert p_packed.packed and not p_wide.packed
-    run = dict(method="quilt", d_v=DV, fallback=False, backend="triton")
+    run = dict(method="quilt", d_v=DV, settings=PlanSettings(fallback=False), backend="triton")
     got = sparse_prefill(q, kv, idx, plan=p_packed, **run)
     for a, b in zip(got, sparse_prefill(q, kv, idx, plan=p_wide, **run)):
         assert torch.equal(a, b)
@@ -198,18 +198,18 @@ def test_packed_and_wide_plans_give_identical_attention(nan_poison, G, M, split)
 def test_repeated_rows_masks():
     """The first occurrence of a row in a query's list carries the row's full mask, a later one its own bit."""
     idx = torch.tensor([[5, 5, 7, 5], [5, 9, 5, -1]], dtype=torch.int32)
-    for method in ("sort", "bitmap"):
-        masks, valid = member_masks(idx, 2, s_kv=10, method=method)
-        assert masks.tolist() == [[3, 1, 1, 1], [3, 2, 2, 0]], method
+    for mask_method in ("sort", "bitmap"):
+        masks, valid = member_masks(idx, 2, s_kv=10, mask_method=mask_method)
+        assert masks.tolist() == [[3, 1, 1, 1], [3, 2, 2, 0]], mask_method
 
 
-@pytest.mark.parametrize("method", ["sort", "bitmap"])
+@pytest.mark.parametrize("mask_method", ["sort", "bitmap"])
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
-def test_repeated_rows_masks_brute_force(method, G):
+def test_repeated_rows_masks_brute_force(mask_method, G):
     s_q, topk = 23, 14
     idx = torch.randint(0, 9, (s_q, topk), generator=gen(G), dtype=torch.int32)  # many repeats
     idx = add_invalid(idx, 9, 0.1, seed=G)
-    masks, _ = member_masks(idx, G, s_kv=9, method=method)
+    masks, _ = member_masks(idx, G, s_kv=9, mask_method=mask_method)
     rows = idx.tolist()
     for i in range(s_q):
         b0, seen = (i // G) * G, set()
@@ -243,16 +243,16 @@ def _plan_pairs(p):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=triton_planner)])
-@pytest.mark.parametrize("G,M,T,tau,imp,split,method", CONFIGS[1:6])
+@pytest.mark.parametrize("G,M,T,tau,imp,split,mask_method", CONFIGS[1:6])
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_repeated_rows_are_computed_once_an_entry(backend, G, M, T, tau, imp, split, method):
+def test_repeated_rows_are_computed_once_an_entry(backend, G, M, T, tau, imp, split, mask_method):
     """A row repeated in one list is computed as often as it is listed, for that query only; the partners'
     own entries are computed once each. Torch and Triton planners agree."""
     s_q, topk, s_kv = 19, 12, 14
     idx = torch.randint(0, s_kv, (s_q, topk), generator=gen(G + M), dtype=torch.int32)
     idx[::3, 1] = idx[::3, 0]  # back-to-back repeats besides the random ones
     tl = torch.randint(0, topk + 1, (s_q,), generator=gen(3), dtype=torch.int32)
-    kw = _kw(G, M, T, tau, False, split, method, s_kv=s_kv, topk_length=tl)
+    kw = _kw(G, M, T, tau, False, split, mask_method, s_kv=s_kv, topk_length=tl)
     p = plan(idx.to(KERNEL_DEVICE), backend=backend, **dict(kw, topk_length=tl.to(KERNEL_DEVICE)))
     if not split:
         check_structure(p)
@@ -276,7 +276,8 @@ def test_repeated_rows_attention_matches_reference(nan_poison, G, M, split):
     idx = torch.randint(0, s_kv, (s_q, topk), generator=gen(G + M), dtype=torch.int32).to(q.device)
     idx[:, 5] = idx[:, 0]
     p = plan(idx, s_kv=s_kv, group_size=G, merge_level=M, tile=16, split_private=split)
-    got = sparse_prefill(q, kv, idx, method="quilt", plan=p, d_v=DV, fallback=False, backend="triton")
+    got = sparse_prefill(q, kv, idx, method="quilt", plan=p, d_v=DV, settings=PlanSettings(fallback=False),
+                         backend="triton")
     assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, d_v=DV), F16, what=f"G={G} M={M}")
 
 
@@ -301,7 +302,7 @@ def test_nan_in_unselected_kv_rows_does_not_reach_out(nan_poison, method, packed
     kw = dict(method=method, d_v=DV, backend="triton")
     if method == "quilt":
         kw.update(plan=plan(idx, s_kv=s_kv if packed else None, group_size=4, merge_level=2, tile=16,
-                            split_private=True), fallback=False)
+                            split_private=True), settings=PlanSettings(fallback=False))
     elif not packed:
         pytest.skip("query-parallel reads no plan")
     got = sparse_prefill(q, kv, idx, **kw)
@@ -323,9 +324,9 @@ def test_nan_in_unselected_fp8_rows_does_not_reach_out(nan_poison, method):
     cache = quantize_fp8(kv)
     clean = dequantize_fp8(cache, torch.float32)
     cache[0, 512:528] = torch.tensor([float("nan")] * 4).view(torch.uint8).to(cache.device)  # the row's 4 scales
-    kw = dict(method=method, d_v=512, backend="triton", fp8_expand=False)
+    kw = dict(method=method, d_v=512, backend="triton", _triton={"fp8_expand": False})
     if method == "quilt":
-        kw.update(plan=plan(idx, s_kv=s_kv, group_size=4, tile=16), fallback=False)
+        kw.update(plan=plan(idx, s_kv=s_kv, group_size=4, tile=16), settings=PlanSettings(fallback=False))
     got = sparse_prefill(q, cache, idx, **kw)
     assert_matches_reference(got, sparse_prefill_reference(q, clean, idx, d_v=512), F16, what=method)
 

@@ -28,6 +28,7 @@ from conftest import (
     gen,
     indexer_aligned_inputs,
     make_inputs,
+    prefill_kw,
     randn,
     random_indices,
     rel_l2,
@@ -52,10 +53,11 @@ def _poison_outputs(nan_poison):
 
 
 def run(q, kv, idx, method, sm_scale=None, **kw):
+    """``sparse_prefill`` at the CPU shapes (d_v 64, tile 16); planner settings and Triton tuning by name."""
     kw.setdefault("d_v", DV)
     if method == "quilt":
         kw.setdefault("tile", 16)
-    return sparse_prefill(q, kv, idx, sm_scale, method=method, **kw)
+    return sparse_prefill(q, kv, idx, sm_scale, method=method, **prefill_kw(**kw))
 
 
 def ref(q, kv, idx, sm_scale=None, **kw):
@@ -199,15 +201,13 @@ def test_attn_sink(method):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("entry", ["quilt", "query_parallel", "compat", "pipelined"])
+@pytest.mark.parametrize("entry", ["quilt", "query_parallel", "compat"])
 def test_stats_are_flashmla_natural_log(entry):
     """Every public entry returns FlashMLA's statistics, checked against their definitions computed here
     (not through the reference): ``max_logits = max(q.k * sm_scale)`` and ``lse = logsumexp(q.k * sm_scale)``
     over the valid rows, natural log; a row without a valid index ``out = 0``, -inf, +inf; ``attn_sink``
     scales out by ``exp(lse) / (exp(lse) + exp(sink))`` for a finite, a +inf and a -inf sink and leaves
     max_logits / lse alone."""
-    from quilt_attn import sparse_prefill_pipelined
-
     s_q, s_kv, topk, h, scale = 16, 96, 40, 4, 0.11
     q, kv, idx = make_inputs(s_q, h, s_kv=s_kv, topk=topk, seed=150)
     idx[3] = -1  # empty
@@ -218,8 +218,6 @@ def test_stats_are_flashmla_natural_log(entry):
     def call(attn_sink):
         if entry == "compat":
             return flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], scale, d_v=DV, attn_sink=attn_sink)
-        if entry == "pipelined":
-            return sparse_prefill_pipelined(q, kv, idx, scale, chunk=8, d_v=DV, tile=16, attn_sink=attn_sink)
         return run(q, kv, idx, entry, scale, attn_sink=attn_sink)
 
     i = idx.cpu().long()
@@ -305,7 +303,9 @@ def test_fp8_expand_is_checked():
     cache = quantize_fp8(randn(16, 576, seed=2, dtype=BF16))
     idx = random_indices(4, 16, 8, seed=3)
     with pytest.raises(TypeError, match="fp8_expand must be None or a bool, got str"):
-        sparse_prefill(q, cache, idx, fp8_expand="yes")
+        sparse_prefill(q, cache, idx, _triton={"fp8_expand": "yes"})
+    with pytest.raises(TypeError, match=r"_triton: unknown key\(s\) \['warps'\]"):
+        sparse_prefill(q, cache, idx, _triton={"warps": 4})
 
 
 @pytest.mark.interpret
@@ -477,7 +477,7 @@ def _gpu_ref(workload: str, topk: int, kind: str, h: int):
 def gpu_run(q, kv, idx, method, sm_scale=None, **kw):
     kw.setdefault("d_v", 512)
     kw.setdefault("backend", "triton")
-    return sparse_prefill(q, kv, idx, sm_scale, method=method, **kw)
+    return sparse_prefill(q, kv, idx, sm_scale, method=method, **prefill_kw(**kw))
 
 
 @gpu
@@ -672,11 +672,11 @@ def test_default_plan_group_is_the_queries_a_program_holds(h, G, M, monkeypatch)
     monkeypatch.setattr(api, "make_plan", fake_plan)
     q, kv, idx = make_inputs(16, h=h, s_kv=64, topk=16, device="cpu")
     with pytest.raises(Planned):
-        sparse_prefill(q, kv, idx, d_v=64, tile=16, fallback=False, backend="triton")
+        run(q, kv, idx, "quilt", tile=16, fallback=False, backend="triton")
     assert (seen["group_size"], seen["merge_level"]) == (G, M)
     seen.clear()
     with pytest.raises(Planned):  # an explicit group is kept
-        sparse_prefill(q, kv, idx, d_v=64, tile=16, fallback=False, backend="triton", group_size=8)
+        run(q, kv, idx, "quilt", tile=16, fallback=False, backend="triton", group_size=8)
     assert seen["group_size"] == 8 and seen["merge_level"] == M
 
 
@@ -690,12 +690,9 @@ def test_kv_without_rows_gives_empty_rows(method, kind, nan_poison):
     q = randn(8, 2, d_qk, seed=200)
     kv = quantize_fp8(randn(4, 576, seed=201))[:0] if kind == "fp8" else randn(4, d_qk, seed=201)[:0]
     idx = random_indices(8, 4, 3, seed=202)
-    calls = [lambda: sparse_prefill(q, kv, idx, method=method, d_v=d_v, tile=16)]
+    calls = [lambda: run(q, kv, idx, method, d_v=d_v)]
     if method == "quilt":
-        from quilt_attn import sparse_prefill_pipelined
-
         calls.append(lambda: flash_mla_sparse_fwd(q, kv, idx[:, None], 0.1, d_v=d_v))
-        calls.append(lambda: sparse_prefill_pipelined(q, kv, idx, d_v=d_v, tile=16, chunk=8))
     for call in calls:
         out, ml, lse = call()
         assert out.shape == (8, 2, d_v) and (out == 0).all()

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from ..reference import LOG2E
+from .shapes import program_shape
+
 CSRC = Path(__file__).with_name("csrc")
 UNITS = ("quilt_sm90.cu", "quilt_plan.cu")  # translation units, linked into one library
 # what the build-cache hash covers: the units and every header beside them
@@ -268,8 +271,6 @@ def _sm_count(device_index: int) -> int:
 
 def work_items(h: int, s_q: int, plan=None) -> int:
     """Work items of a launch: programs (the plan's, else one a query) x head blocks."""
-    from .sparse_attention import program_shape
-
     qp, hb = program_shape(h, plan.group_size if plan is not None else 1)
     n_prog = plan.work_list(qp)[0].shape[0] if plan is not None else s_q
     return n_prog * -(-h // hb)
@@ -286,9 +287,6 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     programs first) from a counter as it finishes the last; ``_ctas`` (measurement only) sets the CTA
     count, e.g. one a work item (what a non-persistent launch does).
     """
-    from ..reference import LOG2E
-    from .sparse_attention import program_shape
-
     if not partial and (out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8 or out.stride(1) % 8):
         raise ValueError("out must have a unit last stride, 16-byte alignment and row strides that are multiples of 8 "
                          f"(the kernel writes 16-byte pieces); got strides {tuple(out.stride())}")
@@ -336,7 +334,7 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     A plan that split private rows off runs its shared tiles here (float32 partial state) and the
     private rows in the Triton query pass that continues that state.
     """
-    from .sparse_attention import alloc_outputs
+    from .sparse_attention import alloc_outputs  # a Triton kernel module: imported when first used
 
     out, max_logits, lse = alloc_outputs(q, d_v)
     if q.shape[0] == 0:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .shapes import default_group_size, program_shape  # noqa: F401  (also imported from here)
+
 LAST_COMPILED: dict = {}
 
 
@@ -43,7 +45,7 @@ def _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c0, FP8: tl.constexpr, BT: t
         # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128 values) | 64 bf16 rope
         raw = _gather(kv_ptr + rows[:, None] * 656 + cols[None, :], row_ok)
         sc = _gather(kv_f32_ptr + rows[:, None] * 164 + 128 + c0 // 128 + tl.arange(0, NC // 128)[None, :], row_ok)
-        # (dequantizing in DTYPE instead of float32 measured slower: 9.4 vs 8.6 ms, NOTES.md v2)
+        # (dequantizing in DTYPE instead of float32 measured slower: 9.4 vs 8.6 ms, docs/learned.md)
         val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         k = tl.reshape(tl.reshape(val, [BT, NC // 128, 128]) * sc[:, :, None], [BT, NC]).to(DTYPE)
     else:
@@ -203,33 +205,7 @@ def _sparse_attention_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def program_shape(h: int, group_size: int) -> tuple[int, int]:
-    """``(QP, HB)``: queries and (padded) heads a program owns; ``QP * HB`` rows, 16..64."""
-    hb = min(_next_pow2(h), 64)
-    qp = min(group_size, max(1, 64 // hb))
-    if qp * hb < 16:  # a matrix product needs at least 16 rows
-        hb = 16 // qp
-    return qp, hb
-
-
-def default_group_size(h: int) -> int:
-    """The plan group ``sparse_prefill`` uses at ``h`` heads: the queries one program holds (``64 // h``,
-    at most 8), or 8 where a program holds one query (``h >= 64``).
-
-    A program runs every tile of its group that meets its queries, so in a group larger than a program the
-    wider levels' tiles are run by each sibling program; the program-sized group runs those rows in the
-    same tiles, pads less, and plans faster (H200, glm53-like, s_q 16384: plan() 0.198 ms at group 4
-    against 0.370 at group 8, merge level 4, kernel time within noise; ``benchmarks/NOTES.md``, sessions 9-10).
-    """
-    qp = program_shape(h, 8)[0]
-    return qp if qp > 1 else 8
-
-
-# (num_warps, num_stages) by matrix rows a program; measured on the H200 (benchmarks/NOTES.md)
+# (num_warps, num_stages) by matrix rows a program; measured on the H200 (docs/learned.md)
 DEFAULT_CONFIG = {16: (4, 2), 32: (4, 2), 64: (8, 2)}
 
 

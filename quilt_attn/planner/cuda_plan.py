@@ -9,17 +9,18 @@ from __future__ import annotations
 import torch
 
 from ..ops import cuda_backend
-from .plan import plan_buffers
+from .buffers import plan_buffers
 
 
 def unsupported_reason(device: torch.device, G: int, topk: int, s_kv: int | None, tile: int,
-                       method: str) -> str | None:
+                       mask_method: str) -> str | None:
     """Why the CUDA planner cannot plan here (None when it can; ``s_kv`` None: checked at launch)."""
     reason = cuda_backend.unavailable_reason(device)
     if reason:
         return reason
-    if method != "bitmap":
-        return f"the CUDA planner computes member masks with its membership table (method='bitmap'), got {method!r}"
+    if mask_method != "bitmap":
+        return (f"the CUDA planner computes member masks with its membership table (mask_method='bitmap'), "
+                f"got {mask_method!r}")
     return cuda_backend.plan_unsupported_reason(G, topk, tile)
 
 

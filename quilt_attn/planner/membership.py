@@ -29,7 +29,7 @@ import torch
 from .._checks import canonical_indices, check_topk_length
 from ..reference import valid_index_mask
 
-METHODS = ("sort", "bitmap")
+MASK_METHODS = ("sort", "bitmap")
 NO_S_KV_BOUND = 2**31 - 1  # the row bound without s_kv: only negatives (and this value) are invalid
 
 
@@ -81,7 +81,7 @@ def group_row_ids(idx: torch.Tensor, valid: torch.Tensor, G: int):
     return ids, first, (key_sorted, perm, run_id, first_sorted)
 
 
-def group_masks(idx: torch.Tensor, valid: torch.Tensor, G: int, method: str):
+def group_masks(idx: torch.Tensor, valid: torch.Tensor, G: int, mask_method: str):
     """Member masks (repeated rows: see the module docstring) and dense row ids over padded
     ``idx [n_groups * G, topk]``; returns ``(masks int32, ids int64)`` of idx's shape (masks 0 where invalid)."""
     rows, topk = idx.shape
@@ -89,7 +89,7 @@ def group_masks(idx: torch.Tensor, valid: torch.Tensor, G: int, method: str):
     ids, first, (key_sorted, perm, run_id, first_sorted) = group_row_ids(idx, valid, G)
     member = (torch.arange(rows, device=idx.device) % G)[:, None]
     own = torch.ones_like(ids) << member
-    if method == "sort":  # SCSD: OR the member bits of each run of equal rows in the sorted order
+    if mask_method == "sort":  # SCSD: OR the member bits of each run of equal rows in the sorted order
         mem_sorted = key_sorted % G
         bits = torch.where(first_sorted, torch.ones_like(mem_sorted) << mem_sorted, 0)  # a pair's bit once
         run_mask = torch.zeros_like(bits).scatter_add_(1, run_id, bits)
@@ -109,7 +109,7 @@ def member_masks(
     *,
     s_kv: int | None = None,
     topk_length: torch.Tensor | None = None,
-    method: str = "sort",
+    mask_method: str = "sort",
 ):
     """Member masks of every entry for aligned groups of ``group_size`` queries.
 
@@ -120,7 +120,7 @@ def member_masks(
     s_kv : context length; entries ``>= s_kv`` are invalid. ``None``: only negatives are invalid (rows up
         to ``2**31 - 2``). Time and memory do not depend on it.
     topk_length : optional int32 ``[s_q]``.
-    method : ``"sort"`` (SCSD) or ``"bitmap"`` (same masks).
+    mask_method : ``"sort"`` (SCSD) or ``"bitmap"`` (same masks).
 
     Returns
     -------
@@ -130,14 +130,14 @@ def member_masks(
     """
     indices = canonical_indices(indices)
     G = check_group_size(group_size)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if mask_method not in MASK_METHODS:
+        raise ValueError(f"mask_method must be one of {MASK_METHODS}, got {mask_method!r}")
     s_q = indices.shape[0]
     topk_length = check_topk_length(topk_length, s_q, indices.device)
     bound = s_kv if s_kv is not None else NO_S_KV_BOUND
     valid = valid_index_mask(indices, bound, topk_length)
     idx, valid_p = pad_to_groups(indices, G, -1), pad_to_groups(valid, G, False)
-    masks, _ = group_masks(idx, valid_p, G, method)
+    masks, _ = group_masks(idx, valid_p, G, mask_method)
     return masks[:s_q], valid
 
 

@@ -28,25 +28,12 @@ import torch
 
 from .._checks import canonical_indices, check_topk_length
 from ..reference import valid_index_mask
-from .membership import METHODS, NO_S_KV_BOUND, cascade_levels, check_group_size, group_masks, pad_to_groups
+from .buffers import PACK_ROW_MASK, PACK_SHIFT, levels_desc, plan_buffers, segment_count, tile_capacity
+from .cuda_plan import plan_cuda, unsupported_reason
+from .membership import MASK_METHODS, NO_S_KV_BOUND, cascade_levels, check_group_size, group_masks, pad_to_groups
 from .source import PlanSource, plan_source
 
-BACKENDS = ("auto", "torch", "triton", "cuda")
-
-# Packed tile columns (see ``packs_columns``): a slot's word is ``row | (member_mask << PACK_SHIFT)``.
-PACK_SHIFT = 24
-PACK_ROW_MASK = (1 << PACK_SHIFT) - 1  # also the row field of a padding word (-1): never a row of a packed plan
-WORKSPACE_ALIGN = 16  # bytes; every tensor carved from a caller's workspace starts at a multiple of it
-
-
-def packs_columns(s_kv: int | None, group_size: int) -> bool:
-    """Whether a plan stores its tile columns packed (one int32 word a slot, ``Plan.tile_mask`` None).
-
-    Packed needs every row below the row field of a padding word (``s_kv <= PACK_ROW_MASK``) and
-    the member mask in the 8 bits above the row (``group_size <= 8``); otherwise (``s_kv`` None, a
-    larger pool, group 16) the columns are wide: rows and masks in two tensors.
-    """
-    return s_kv is not None and s_kv <= PACK_ROW_MASK and group_size <= 8
+PLANNER_BACKENDS = ("auto", "torch", "triton", "cuda")
 
 
 @dataclass
@@ -91,7 +78,7 @@ class Plan:
     clip_threshold: float
     importance_clip: bool
     merge_level: int
-    method: str
+    mask_method: str
     split_private: bool
     tile_kv: torch.Tensor
     tile_mask: torch.Tensor | None
@@ -195,7 +182,7 @@ class Plan:
         return "\n".join([
             f"QUILT plan: s_q={self.s_q} topk={self.topk} group_size={self.group_size} tile={self.tile} "
             f"clip_threshold={self.clip_threshold} importance_clip={self.importance_clip} "
-            f"merge_level={self.merge_level} split_private={self.split_private} method={self.method}",
+            f"merge_level={self.merge_level} split_private={self.split_private} mask_method={self.mask_method}",
             f"  valid (query, row) pairs : {s['valid_pairs']}",
             f"  rows processed (logical) : {s['rows_processed']}  (reduction {s['reduction']:.1%})",
             f"  tiles                    : {s['tiles']}  per level {s['tiles_per_level']}",
@@ -257,114 +244,6 @@ class Plan:
         if key not in self._work:
             self._work[key] = make()
         return self._work[key]
-
-
-def levels_desc(G: int, lowest: int) -> list[int]:
-    """``[G, G/2, ..., lowest]``."""
-    out, L = [], G
-    while L >= max(lowest, 1):
-        out.append(L)
-        L //= 2
-    return out
-
-
-def flag_bit(G: int, L: int, block: int) -> int:
-    """Table bit that marks a row pushed down out of block ``block`` of level ``L`` (bits 16..30)."""
-    return 16 + (G // L - 1) + block
-
-
-def segment_count(G: int, M: int) -> int:
-    """Segments a group: every block of levels G..M, plus one merged segment a block of M when M > 1."""
-    return sum(G // L for L in levels_desc(G, M)) + (G // M if M > 1 else 0)
-
-
-def tile_capacity(G: int, M: int, topk: int, T: int) -> int:
-    return -(-G * topk // T) + segment_count(G, M)
-
-
-def _buffer_shapes(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, s_kv: int | None) -> dict:
-    """``{name: shape}`` of the int32 tensors ``plan_buffers`` makes, in workspace order."""
-    n_groups = -(-s_q // G)
-    cap = tile_capacity(G, M, topk, T)
-    shapes = {"tile_kv": (n_groups, cap, T)}
-    if not packs_columns(s_kv, G):
-        shapes["tile_mask"] = (n_groups, cap, T)
-    shapes.update(tile_level=(n_groups, cap), tile_members=(n_groups, cap), group_tiles=(n_groups,),
-                  group_rows=(n_groups,), group_valid=(n_groups,), dropped=(s_q,))
-    if split_private:
-        shapes.update(priv_idx=(s_q, topk), priv_n=(s_q,))
-    return shapes
-
-
-def _aligned_bytes(shape) -> int:
-    return -(-4 * math.prod(shape) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-
-
-def plan_workspace_bytes(s_q: int, topk: int, *, group_size: int = 8, merge_level: int = 1, tile: int = 64,
-                         split_private: bool = False, s_kv: int | None = None) -> int:
-    """Bytes of the caller-owned ``workspace`` that ``plan(..., workspace=...)`` carves the plan's tensors from.
-
-    The arguments are ``plan``'s (``s_q, topk`` of the indices; ``s_kv`` decides packed or wide columns).
-    The plan's tensors are views into the workspace: it stays the caller's, and a plan lives as long as
-    its workspace is not reused.
-    """
-    G = check_group_size(group_size)
-    M = check_group_size(merge_level, G, "merge_level")
-    for name, v in (("s_q", s_q), ("topk", topk), ("tile", tile)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "tile" else 0):
-            raise ValueError(f"{name} must be a {'positive' if name == 'tile' else 'non-negative'} int, got {v!r}")
-    shapes = _buffer_shapes(s_q, topk, G, M, tile, bool(split_private), s_kv)
-    return sum(_aligned_bytes(shape) for shape in shapes.values())
-
-
-def _carve(workspace, shapes: dict, need: int, device) -> dict:
-    """Int32 views of ``shapes`` cut from a caller's uint8 ``workspace`` (checked), each slice aligned."""
-    if not isinstance(workspace, torch.Tensor):
-        raise TypeError(f"workspace must be a uint8 torch.Tensor, got {type(workspace).__name__}")
-    if workspace.dtype != torch.uint8:
-        raise ValueError(f"workspace must be a uint8 tensor, got {str(workspace.dtype).replace('torch.', '')}")
-    if workspace.device != torch.device(device):
-        raise ValueError(f"workspace is on {workspace.device} but the indices are on {torch.device(device)}")
-    if not workspace.is_contiguous() or workspace.data_ptr() % WORKSPACE_ALIGN:
-        raise ValueError(f"workspace must be contiguous and start at a {WORKSPACE_ALIGN}-byte aligned address")
-    if workspace.numel() < need:
-        raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {need} "
-                         f"(plan_workspace_bytes)")
-    flat, out, off = workspace.view(-1), {}, 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        out[name] = flat[off:off + 4 * n].view(torch.int32).view(shape)
-        off += _aligned_bytes(shape)
-    return out
-
-
-def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, device,
-                 filled: bool = True, *, s_kv: int | None = None, workspace: torch.Tensor | None = None) -> dict:
-    """The Plan's tensors, allocated for a planner to fill (unused tile slots: kv -1, mask 0).
-
-    ``s_kv`` decides the column format (``packs_columns``): packed plans have no ``tile_mask`` (None),
-    and padding words are -1. ``workspace``: a caller's uint8 tensor on ``device`` of at least
-    ``plan_workspace_bytes`` bytes to carve the tensors from (``ValueError`` naming ``workspace`` when it
-    is too small, of another dtype or device); None allocates them. ``filled=False``: the tile arrays come
-    uninitialized, for a planner that writes every slot itself.
-    """
-    shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
-    if workspace is None:
-        out = {name: torch.empty(shape, dtype=torch.int32, device=device) for name, shape in shapes.items()}
-    else:
-        out = _carve(workspace, shapes, sum(_aligned_bytes(sh) for sh in shapes.values()), device)
-    out.setdefault("tile_mask", None)
-    out.setdefault("priv_idx", None)
-    out.setdefault("priv_n", None)
-    if filled:  # unused slots: kv and level -1, mask and members 0
-        for name, value in (("tile_kv", -1), ("tile_mask", 0), ("tile_level", -1), ("tile_members", 0)):
-            if out[name] is not None:
-                out[name].fill_(value)
-    out["dropped"].zero_()
-    if split_private:
-        out["priv_idx"].fill_(-1)
-        out["priv_n"].zero_()
-    return out
 
 
 def _plan_torch(idx, valid, masks, ids, G, M, T, thr, importance_clip, split_private, buf):
@@ -489,15 +368,13 @@ def _plan_torch(idx, valid, masks, ids, G, M, T, thr, importance_clip, split_pri
 
 
 def _planner_backend(device: torch.device, backend: str, tile: int, G: int, topk: int, s_kv: int | None,
-                     method: str) -> str:
+                     mask_method: str) -> str:
     """The planner that runs: ``backend`` checked, or for ``"auto"`` the CUDA planner where it can run
     (``s_kv`` given), else Triton on a GPU (power-of-two tiles), else torch."""
     if backend == "torch":
         return "torch"
     if backend == "cuda":
-        from .cuda_plan import unsupported_reason
-
-        reason = unsupported_reason(device, G, topk, s_kv, tile, method)
+        reason = unsupported_reason(device, G, topk, s_kv, tile, mask_method)
         if reason:
             raise ValueError(f"backend='cuda': {reason}; use backend='triton' or 'torch'")
         return "cuda"
@@ -510,9 +387,7 @@ def _planner_backend(device: torch.device, backend: str, tile: int, G: int, topk
         return "triton"
     if device.type != "cuda":
         return "torch"
-    from .cuda_plan import unsupported_reason
-
-    if unsupported_reason(device, G, topk, s_kv, tile, method) is None:
+    if unsupported_reason(device, G, topk, s_kv, tile, mask_method) is None:
         return "cuda"
     return "triton" if not tile & (tile - 1) else "torch"  # other tiles: the torch planner
 
@@ -528,7 +403,7 @@ def plan(
     importance_clip: bool = False,
     merge_level: int = 1,
     split_private: bool = False,
-    method: str = "bitmap",
+    mask_method: str = "bitmap",
     backend: str = "auto",
     workspace: torch.Tensor | None = None,
 ) -> Plan:
@@ -561,10 +436,10 @@ def plan(
     split_private : leave rows that a single query owns out of the tiles and list them per query
         (``Plan.priv_idx``); the kernel runs them in 16-row query programs, where a 64-row tile
         would compute mostly masked rows. Also the graceful fallback when nothing is shared.
-    method : member masks by ``"bitmap"`` (membership table) or ``"sort"`` (SCSD); same plan.
-    backend : ``"cuda"`` (Hopper kernel, group sizes <= 8, ``group_size * topk <= 16384``, method
-        ``"bitmap"``), ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"``: CUDA where it can run,
-        else Triton on a GPU, else torch.
+    mask_method : member masks by ``"bitmap"`` (membership table) or ``"sort"`` (SCSD); same plan.
+    backend : the planner: ``"cuda"`` (Hopper kernel, group sizes <= 8, ``group_size * topk <= 16384``,
+        mask_method ``"bitmap"``), ``"triton"`` (fused kernel), ``"torch"``, or ``"auto"``: CUDA where it can
+        run, else Triton on a GPU, else torch.
     workspace : optional uint8 tensor on the indices' device, contiguous and 16-byte aligned, of at least
         ``plan_workspace_bytes(s_q, topk, ...)`` bytes: the plan's tensors are carved from it (no
         allocation for them; the planners' own scratch is not in it). It stays the caller's: the plan
@@ -580,10 +455,10 @@ def plan(
     M = check_group_size(merge_level, G, "merge_level")
     if importance_clip and M != 1 and not split_private:
         raise ValueError("importance_clip needs merge_level=1 or split_private=True (it clips private rows)")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if mask_method not in MASK_METHODS:
+        raise ValueError(f"mask_method must be one of {MASK_METHODS}, got {mask_method!r}")
+    if backend not in PLANNER_BACKENDS:
+        raise ValueError(f"backend must be one of {PLANNER_BACKENDS}, got {backend!r}")
     if s_kv is not None and (not isinstance(s_kv, int) or isinstance(s_kv, bool) or not 1 <= s_kv <= NO_S_KV_BOUND):
         raise ValueError(f"s_kv must be an int in [1, 2**31 - 1] or None, got {s_kv!r}")
     s_q, topk = indices.shape
@@ -592,26 +467,26 @@ def plan(
     source = plan_source(indices_arg, s_kv, topk_length_arg)
     thr = float(clip_threshold) * tile
 
-    which = _planner_backend(dev, backend, tile, G, topk, s_kv, method)
+    which = _planner_backend(dev, backend, tile, G, topk, s_kv, mask_method)
     # every planner's tables are sized by the group's entries, not by s_kv: no bound to find (no host sync)
     if which == "cuda":
-        from .cuda_plan import plan_cuda
-
         parts, valid_pairs = plan_cuda(indices, s_kv, topk_length, G, M, tile, thr, importance_clip,
                                        split_private, workspace=workspace)
     elif which == "triton":
+        # imported here, not above: a Triton kernel module picks the interpreter (TRITON_INTERPRET) when it is
+        # first imported, which the CLI sets after importing the package
         from .triton_plan import plan_triton
 
-        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, method,
+        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, mask_method,
                                          split_private, workspace=workspace)
     else:
         buf = plan_buffers(s_q, topk, G, M, tile, split_private, dev, filled=False, s_kv=s_kv, workspace=workspace)
         valid = valid_index_mask(indices, s_kv if s_kv is not None else NO_S_KV_BOUND, topk_length)
         idx, valid = pad_to_groups(indices, G, -1), pad_to_groups(valid, G, False)
-        masks, ids = group_masks(idx, valid, G, method)
+        masks, ids = group_masks(idx, valid, G, mask_method)
         parts = _plan_torch(idx, valid, masks, ids, G, M, tile, thr, importance_clip, split_private, buf)
         valid_pairs = parts.pop("group_valid").sum(dtype=torch.int64)
     return Plan(s_q=s_q, topk=topk, s_kv=s_kv, group_size=G, tile=tile, clip_threshold=float(clip_threshold),
-                importance_clip=bool(importance_clip), merge_level=M, method=method,
+                importance_clip=bool(importance_clip), merge_level=M, mask_method=mask_method,
                 split_private=bool(split_private), valid_pairs=valid_pairs,
                 source=source, **parts)

@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from .membership import NO_S_KV_BOUND, member_masks, pad_to_groups
-from .plan import PACK_SHIFT, plan_buffers
+from .buffers import PACK_SHIFT, plan_buffers
 
 _WORKSPACE: dict = {}
-PLAN_WARPS = 16  # measured on the H200: see benchmarks/NOTES.md
+PLAN_WARPS = 16  # measured on the H200: see docs/learned.md
 PLAN_PROGS_PER_SM = 4
 HASH_MULT = tl.constexpr(-1640531527)  # 0x9E3779B1 (Knuth's multiplicative hash) as int32
 HASH_WORDS = 2  # int32 words a slot: key, value (member bits | flags)
@@ -310,8 +310,8 @@ def _workspace(device: torch.device, n_prog: int, hs: int, G: int, kp: int) -> t
     return table, scratch
 
 
-def plan_triton(indices, s_kv: int | None, topk_length, G, M, T, thr, importance_clip, method, split_private=False,
-                workspace=None):
+def plan_triton(indices, s_kv: int | None, topk_length, G, M, T, thr, importance_clip, mask_method,
+                split_private=False, workspace=None):
     """Run the fused planner (rows ``>= s_kv`` invalid; None: only negatives); returns the Plan's tensor
     fields and the valid-pair count. ``workspace``: the caller's bytes for the plan's tensors (``plan``)."""
     s_q, topk = indices.shape
@@ -322,9 +322,9 @@ def plan_triton(indices, s_kv: int | None, topk_length, G, M, T, thr, importance
     NTP = triton.next_power_of_2(-(-max(G * topk, 1) // T) + 1)
     hs = hash_slots(G, topk)
     indices = indices.contiguous()
-    masks_given = method == "sort"
+    masks_given = mask_method == "sort"
     if masks_given:
-        masks, _ = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, method="sort")
+        masks, _ = member_masks(indices, G, s_kv=s_kv, topk_length=topk_length, mask_method="sort")
         masks = pad_to_groups(masks, G, 0)
         masks = masks.to(torch.int16).contiguous()  # G <= 16 bits
     else:

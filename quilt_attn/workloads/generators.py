@@ -90,8 +90,9 @@ class IndexerParams:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-# Calibrated indexer parameters, found by benchmarks/calibrate_workloads.py (its evidence is in
-# benchmarks/results/workload_calibration.json); all at Top-2048 over a 65536-token context:
+# Calibrated indexer parameters, found by a bounded Nelder-Mead search against the targets below (its evidence is
+# in benchmarks/results/workload_calibration.json; tests/test_workloads.py checks the frozen values against the
+# same targets); all at Top-2048 over a 65536-token context:
 # * glm53-like / ds32-like: the paper's processed-KV ratios (relative to query-parallel) of fixed
 #   groups of 2/4/8 sharing the all-member rows and of cascaded sharing 8->1: GLM-5.3
 #   0.657/0.572/0.590 and 0.455, DeepSeek-3.2 0.789/0.829/0.884 and 0.701 (each within 0.03);

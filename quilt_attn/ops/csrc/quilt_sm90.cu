@@ -19,14 +19,14 @@
 // mbarrier, so a half is refilled as soon as its last reader is done; its slot loads run a block
 // ahead. The output goes from registers to global memory, 16 bytes a thread. (v2 split each
 // tile's columns between the warpgroups and ran QK, softmax and PV one after another: 11.7 ms at 64
-// heads query-parallel; this schedule: 8.3 ms. benchmarks/NOTES.md.)
+// heads query-parallel; this schedule: 8.3 ms. docs/learned.md.)
 //
 // Persistent: a CTA an SM, each taking work items (a program x a head block; plan programs longest
 // first, a query's head blocks next to each other) from a global counter as it finishes the last; query
 // programs over more than 64 heads go round-robin instead (CTA x: items x, x + ctas, ...), which keeps a
 // query's head blocks on neighbouring CTAs in step, so that the second's gathers meet the first's rows in
 // L2 (ncu at h=128: L2 throughput 51% against FlashMLA's 34%, whose launch order pairs them the same way;
-// measured -1.4% glm53-like, -4.3% random, benchmarks/NOTES.md session 11). The
+// measured -1.4% glm53-like, -4.3% random, docs/learned.md). The
 // producer moves on to the next program as soon as it has issued the current one's copies: the next
 // program's first kv block is gathered while the consumers finish this one, and its q (with the work
 // item, through q_ready) once both consumer warpgroups' last QK of the program has completed (q_free):

@@ -144,7 +144,7 @@ __device__ __forceinline__ void mask_max(float (&s)[32], float (&mx)[2], const u
 // The running max (the softmax's reference) after a tile whose max is mx: it moves only when the tile
 // exceeds it by more than kRescaleSlack (base-2 units), so that O and l are rarely rescaled. Exact up to
 // rounding: P <= 2^slack, and O, l and the lse share the reference; the true max is kept apart for
-// max_logits. (Measured 1-5% faster than moving it with every larger logit: benchmarks/NOTES.md.)
+// max_logits. (Measured 1-5% faster than moving it with every larger logit: docs/learned.md.)
 constexpr float kRescaleSlack = 8.f;
 __device__ __forceinline__ float next_max(float m, float mx) {
   return mx > m + kRescaleSlack ? mx : m;
