@@ -212,10 +212,9 @@ def _grid(rows, grid_path, png, root) -> list[str]:
     return lines + [""]
 
 
-def _flashmla(docs) -> list[str]:
-    if not docs:
-        return []
-    pairs = {}  # (workload, h) -> [(flashmla ms, ours ms)]
+def _flashmla_pairs(docs) -> dict:
+    """``{(workload, h): [(FlashMLA ms, ours ms), one per run]}`` from FlashMLA comparison files."""
+    pairs = {}
     for d in docs:
         by = {}
         for r in d["rows"]:
@@ -224,6 +223,13 @@ def _flashmla(docs) -> list[str]:
             ours = m.get("quilt_cuda") or m.get("quilt")
             if "flashmla" in m and ours:
                 pairs.setdefault(key, []).append((m["flashmla"]["ms"], ours["ms"]))
+    return pairs
+
+
+def _flashmla(docs) -> list[str]:
+    if not docs:
+        return []
+    pairs = _flashmla_pairs(docs)  # (workload, h) -> [(flashmla ms, ours ms)]
     lines = [
         "## FlashMLA on the same board",
         "",
@@ -339,15 +345,7 @@ def _targets(rows, repeat_rows, fm_docs, overlap, beside, clip) -> list[str]:
     def each(wl, h, **kw):
         return [r for r in (_find(g, wl, h, **kw) for g in grids) if r]
 
-    ratios = {}
-    for d in fm_docs:
-        by = {}
-        for r in d["rows"]:
-            by.setdefault((r["workload"], r["h"]), {})[r["method"]] = r
-        for key, m in by.items():
-            ours = m.get("quilt_cuda") or m.get("quilt")
-            if "flashmla" in m and ours:
-                ratios.setdefault(key, []).append(ours["ms"] / m["flashmla"]["ms"])
+    ratios = {key: [ours / fm for fm, ours in v] for key, v in _flashmla_pairs(fm_docs).items()}
     for h in (8, 16, 32, 64, 128):
         got = each("glm53-like", h)
         if not got:

@@ -106,7 +106,20 @@ class PlanSettings:
     fallback: bool | str = True
 
     def __post_init__(self):
+        # checked where made, so that a call which plans nothing (query programs) still refuses bad settings
+        from .planner.membership import check_group_size
+
         object.__setattr__(self, "fallback", check_fallback(self.fallback))
+        if self.group_size is not None:
+            check_group_size(self.group_size)
+        if self.merge_level is not None:
+            check_group_size(self.merge_level, self.group_size or 16)
+        t = self.tile
+        if not isinstance(t, int) or isinstance(t, bool) or t < 16 or t & (t - 1):
+            raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {t!r}")
+        if isinstance(self.clip_threshold, bool) or not isinstance(self.clip_threshold, (int, float)) \
+                or not 0.0 <= float(self.clip_threshold) <= 1.0:
+            raise ValueError(f"clip_threshold must be in [0, 1], got {self.clip_threshold!r}")
 
 
 DEFAULT_SETTINGS = PlanSettings()
@@ -268,9 +281,7 @@ def plan_settings(h: int, backend: str | None = None, settings: PlanSettings | N
     """
     st = check_settings(settings)
     group_size = default_group_size(h) if st.group_size is None else st.group_size
-    tile = st.tile
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 16 or tile & (tile - 1):
-        raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {tile!r}")
+    tile = st.tile  # (checked by PlanSettings)
     merge_level = program_shape(h, group_size)[0] if st.merge_level is None else st.merge_level
     split_private = bool(st.importance_clip) if backend == "cuda" else st.split_private
     return dict(group_size=group_size, tile=tile, clip_threshold=st.clip_threshold,
