@@ -29,7 +29,7 @@ import torch
 
 import quilt_attn
 from quilt_attn.ops import cuda_backend
-from quilt_attn.ops.sparse_attention import default_group_size, program_shape
+from quilt_attn import dispatch
 from quilt_attn.reference import sparse_prefill_reference
 from quilt_attn.workloads import generate
 from quilt_bench import bench
@@ -120,9 +120,9 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
         return quilt_attn.sparse_prefill(q[:, :h], kv, idx, sm_scale)
 
     # kernel: the same attention with plans built beforehand
-    G = default_group_size(h)
-    qp = program_shape(h, G)[0]
-    plans = [quilt_attn.plan(idx, s_kv=shape.pool, group_size=G, merge_level=qp) if qp > 1 else None
+    # the plan the call builds (its settings and its decision whether to plan, from the dispatch rule)
+    pkw = dispatch.plan_settings(h, "cuda") if dispatch.decide("cuda", "quilt", h).quilt else None
+    plans = [quilt_attn.plan(idx, s_kv=shape.pool, **pkw) if pkw else None
              for _, _, idx in sets]
     k_out = torch.full((s_q, h, D_V), float("nan"), dtype=torch.bfloat16, device=dev)
     k_ml, k_lse = torch.empty(s_q, h, device=dev), torch.empty(s_q, h, device=dev)
@@ -158,8 +158,8 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
     out_bytes = s_q * h * (D_V * 2 + 8)
     result["call"]["extra_mib"] = extra_mib(lambda: ours_call(*sets[0]), out_bytes)
     # planning alone, as the call plans (default settings for h)
-    plan_ms = bench.time_ms(lambda: quilt_attn.plan(sets[0][2], s_kv=shape.pool, group_size=G, merge_level=qp),
-                            warmup=warmup, rep=rep) if qp > 1 else 0.0
+    plan_ms = bench.time_ms(lambda: quilt_attn.plan(sets[0][2], s_kv=shape.pool, **pkw),
+                            warmup=warmup, rep=rep) if pkw else 0.0
 
     state = {"i": 0}
 

@@ -160,8 +160,7 @@ def sparse_prefill(
     if method != "quilt":
         plan = None  # (a given plan serves QUILT only)
     elif plan is not None:
-        if plan.tile < 16 or not _is_pow2(plan.tile):
-            raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {plan.tile}")
+        dispatch.check_kernel_tile(plan.tile)
         if workspace is not None:
             raise ValueError("workspace is the memory of the plan a call builds; a given plan has its own")
     decision = dispatch.decide(backend, method, h, settings, plan=plan, auto=auto)
@@ -170,7 +169,7 @@ def sparse_prefill(
     if decision.quilt and plan is None:
         pkw = dispatch.plan_settings(h, backend, settings)
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)
-    work = dict(plan=plan) if decision.quilt else dict(indices=indices.contiguous(), topk_length=topk_length)
+    work = dict(plan=plan) if decision.quilt else dict(indices=indices, topk_length=topk_length)
     if decision.kernel == "cuda":
         out, max_logits, lse = launch_sparse_attention_cuda(q, kv, sm_scale, d_v, attn_sink=attn_sink, **work)
     else:

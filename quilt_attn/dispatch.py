@@ -75,6 +75,13 @@ def check_fallback(fallback) -> bool | str:
     raise ValueError(f"fallback must be True, False or 'cost', got {fallback!r}")
 
 
+def check_kernel_tile(tile) -> int:
+    """A plan tile the kernels run: a power of two >= 16 (their matrix products' smallest K)."""
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 16 or tile & (tile - 1):
+        raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {tile!r}")
+    return tile
+
+
 @dataclass(frozen=True)
 class PlanSettings:
     """The planner settings of a ``sparse_prefill`` call (also of ``plan_ahead`` and ``workspace_bytes``): the plan
@@ -107,19 +114,15 @@ class PlanSettings:
 
     def __post_init__(self):
         # checked where made, so that a call which plans nothing (query programs) still refuses bad settings
-        from .planner.membership import check_group_size
+        from .planner.membership import check_clip_threshold, check_group_size
 
         object.__setattr__(self, "fallback", check_fallback(self.fallback))
         if self.group_size is not None:
             check_group_size(self.group_size)
         if self.merge_level is not None:
-            check_group_size(self.merge_level, self.group_size or 16)
-        t = self.tile
-        if not isinstance(t, int) or isinstance(t, bool) or t < 16 or t & (t - 1):
-            raise ValueError(f"the kernel needs a plan tile that is a power of two >= 16, got {t!r}")
-        if isinstance(self.clip_threshold, bool) or not isinstance(self.clip_threshold, (int, float)) \
-                or not 0.0 <= float(self.clip_threshold) <= 1.0:
-            raise ValueError(f"clip_threshold must be in [0, 1], got {self.clip_threshold!r}")
+            check_group_size(self.merge_level, self.group_size or 16, "merge_level")
+        check_kernel_tile(self.tile)
+        check_clip_threshold(self.clip_threshold)
 
 
 DEFAULT_SETTINGS = PlanSettings()

@@ -24,6 +24,8 @@ so each entry counts once for its own query and the partners are not affected.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .._checks import canonical_indices, check_topk_length
@@ -40,6 +42,14 @@ def check_group_size(group_size: int, max_group: int = 16, name: str = "group_si
     if group_size < 1 or group_size > max_group or group_size & (group_size - 1):
         raise ValueError(f"{name} must be a power of two in [1, {max_group}], got {group_size}")
     return group_size
+
+
+def check_clip_threshold(clip_threshold) -> float:
+    """``clip_threshold`` checked: a real number in ``[0, 1]`` (tile-aware clipping's tau)."""
+    if isinstance(clip_threshold, bool) or not isinstance(clip_threshold, numbers.Real) \
+            or not 0.0 <= float(clip_threshold) <= 1.0:
+        raise ValueError(f"clip_threshold must be in [0, 1], got {clip_threshold!r}")
+    return float(clip_threshold)
 
 
 def pad_to_groups(x: torch.Tensor, group_size: int, fill: int) -> torch.Tensor:

@@ -30,7 +30,8 @@ from .._checks import canonical_indices, check_topk_length
 from ..reference import valid_index_mask
 from .buffers import PACK_ROW_MASK, PACK_SHIFT, levels_desc, plan_buffers, segment_count, tile_capacity
 from .cuda_plan import plan_cuda, unsupported_reason
-from .membership import MASK_METHODS, NO_S_KV_BOUND, cascade_levels, check_group_size, group_masks, pad_to_groups
+from .membership import (MASK_METHODS, NO_S_KV_BOUND, cascade_levels, check_clip_threshold, check_group_size,
+                         group_masks, pad_to_groups)
 from .source import PlanSource, plan_source
 
 PLANNER_BACKENDS = ("auto", "torch", "triton", "cuda")
@@ -450,8 +451,7 @@ def plan(
     G = check_group_size(group_size)
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
         raise ValueError(f"tile must be a positive int, got {tile!r}")
-    if not 0.0 <= float(clip_threshold) <= 1.0:
-        raise ValueError(f"clip_threshold must be in [0, 1], got {clip_threshold}")
+    check_clip_threshold(clip_threshold)
     M = check_group_size(merge_level, G, "merge_level")
     if importance_clip and M != 1 and not split_private:
         raise ValueError("importance_clip needs merge_level=1 or split_private=True (it clips private rows)")
