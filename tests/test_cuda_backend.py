@@ -304,3 +304,18 @@ def test_cuda_library_cached_between_processes(tmp_path):
             "print(c.unavailable_reason(torch.device('cuda')), c.build() == p)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("None True")
+
+
+def test_views_the_kernel_cannot_copy_in_place_are_copied():
+    """The kernel copies 16-byte pieces: a view that starts inside a row (or has odd strides) is copied
+    first, an aligned one is passed as it is (a misaligned view once crashed the kernel)."""
+    from quilt_attn.ops.cuda_backend import aligned_16, copies_16_bytes
+
+    big = torch.randn(6, 584, dtype=torch.bfloat16)
+    inside = big[:, 4:580]  # starts 8 bytes into a row
+    assert not copies_16_bytes(inside)
+    fixed = aligned_16(inside)
+    assert copies_16_bytes(fixed) and torch.equal(fixed, inside)
+    ok = big[:, 8:584]  # 16 bytes in, row stride 1168 bytes: readable in place
+    assert copies_16_bytes(ok) and aligned_16(ok) is ok
+    assert not copies_16_bytes(torch.randn(4, 3, 576, dtype=torch.bfloat16)[:, :, ::2].contiguous()[:, :, 1:])

@@ -36,9 +36,13 @@ def scatter_rows(idx: torch.Tensor, s_kv: int, hi: int, seed: int) -> torch.Tens
     """``idx`` (rows of ``[0, s_kv)``) with every row mapped to a distinct random slot id in ``[0, hi)`` (0 and
     ``hi - 1`` among them); -1 stays, an invalid row ``>= s_kv`` becomes one ``>= hi``."""
     g = gen(seed)
-    cand = torch.randint(1, hi - 1, (2 * s_kv + 8,), generator=g, dtype=torch.int64).unique()
-    ids = torch.cat([torch.tensor([0, hi - 1]), cand[torch.randperm(cand.numel(), generator=g)]])[:s_kv]
-    ids = ids[torch.randperm(s_kv, generator=g)]
+    if hi <= 4 * s_kv:  # a small range: a permutation of it (random draws would collide too often)
+        rest = torch.randperm(hi - 2, generator=g)[:s_kv - 2] + 1
+    else:  # 2 s_kv draws from > 4 s_kv values: enough distinct ones
+        cand = torch.randint(1, hi - 1, (2 * s_kv + 8,), generator=g, dtype=torch.int64).unique()
+        rest = cand[torch.randperm(cand.numel(), generator=g)][:s_kv - 2]
+    ids = torch.cat([torch.tensor([0, hi - 1]), rest])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
     assert ids.unique().numel() == s_kv
     x = idx.long()
     out = torch.where((x >= 0) & (x < s_kv), ids[x.clamp(0, s_kv - 1)], x)
@@ -445,9 +449,9 @@ def test_gpu_cuda_planner_repeated_rows(G, M):
     idx[::5, 7] = idx[::5, 2]
     idx[::9, 1500] = idx[::9, 40]
     kw = dict(s_kv=65536, group_size=G, merge_level=M, clip_threshold=0.0)  # no clipping: rank order irrelevant
-    a, b = plan(idx, backend="cuda", **kw), plan(idx, backend="torch", **kw)
-    assert torch.equal(_group_columns(a), _group_columns(b))
-    assert torch.equal(a.group_tiles, b.group_tiles) and torch.equal(a.group_rows, b.group_rows)
+    a, b = plan(idx.cuda(), backend="cuda", **kw), plan(idx, backend="torch", **kw)
+    assert torch.equal(_group_columns(a).cpu(), _group_columns(b).cpu())
+    assert torch.equal(a.group_tiles.cpu(), b.group_tiles) and torch.equal(a.group_rows.cpu(), b.group_rows)
 
 
 @pytest.mark.gpu
@@ -466,7 +470,9 @@ def test_gpu_cuda_attention_on_pool_slot_ids(nan_poison, h, pool):
     kv = torch.zeros(min(pool, 1 << 22), 576, dtype=torch.bfloat16, device="cuda")
     used = idx[idx >= 0].unique().long().cuda()
     kv[used] = randn(used.numel(), 576, seed=11, dtype=torch.bfloat16, device="cuda")
-    kv[0 if 0 not in used else int(used.max()) + 1] = float("nan")
+    unused = torch.ones(kv.shape[0], dtype=torch.bool, device="cuda")
+    unused[used] = False
+    kv[unused.nonzero()[0]] = float("nan")  # a row no index selects (the pool's garbage) must not reach out
     q = randn(s_q, h, 576, seed=12, dtype=torch.bfloat16, device="cuda")
     idx = idx.cuda()
     s_kv = kv.shape[0] if pool <= PACK_ROW_MASK else None  # None: a plan without s_kv is a wide plan

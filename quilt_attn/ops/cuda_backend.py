@@ -290,6 +290,11 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     if not partial and (out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8 or out.stride(1) % 8):
         raise ValueError("out must have a unit last stride, 16-byte alignment and row strides that are multiples of 8 "
                          f"(the kernel writes 16-byte pieces); got strides {tuple(out.stride())}")
+    for name, x in (("q", q), ("kv", kv)):
+        if not copies_16_bytes(x):
+            raise ValueError(f"{name} must start at a 16-byte aligned address with unit last stride and other strides "
+                             f"that are multiples of 16 bytes (the kernel copies 16-byte pieces); got strides "
+                             f"{tuple(x.stride())}, address % 16 = {x.data_ptr() % 16}")
     s_q, h, _ = q.shape
     G = plan.group_size if plan is not None else 1
     qp, hb = program_shape(h, G)
@@ -327,6 +332,20 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         raise CudaBackendError(f"CUDA backend launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
 
+def copies_16_bytes(x: torch.Tensor) -> bool:
+    """Whether the kernel's 16-byte copies can read ``x`` in place: an aligned start, unit last stride and the
+    other strides multiples of 16 bytes."""
+    e = x.element_size()
+    return (x.data_ptr() % 16 == 0 and x.stride(-1) == 1
+            and all((st * e) % 16 == 0 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1))
+
+
+def aligned_16(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy of it where the kernel could not read it in place (a view that starts
+    inside a row, odd strides)."""
+    return x if copies_16_bytes(x) else x.clone(memory_format=torch.contiguous_format)
+
+
 def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
                                  attn_sink=None):
     """Allocate outputs and run the CUDA kernel (the counterpart of ``launch_sparse_attention``).
@@ -339,6 +358,7 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     out, max_logits, lse = alloc_outputs(q, d_v)
     if q.shape[0] == 0:
         return out, max_logits, lse
+    q, kv = aligned_16(q), aligned_16(kv)
     if plan is None:
         launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
     else:

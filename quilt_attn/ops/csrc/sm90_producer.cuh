@@ -19,9 +19,23 @@ using namespace quilt_ptx;
 // of their time waiting for the producer): a block's kv rows and member bits are loaded while the
 // block before it is copied, a plan's tile ids two blocks ahead, and rows are checked at use.
 struct Slots {
-  int row[2][4];       // raw kv row of slot g + 16 j of tile 2b + buf (-1: none)
-  uint32_t bits[2][4];  // member bits (plan) or 1 (query-parallel)
+  int row[2][4];       // slot g + 16 j of tile 2b + buf: its kv row (-1: none), or a packed plan's raw word
+  uint32_t bits[2][4];  // member bits (wide plan) or 1 (query-parallel); a packed word carries its own
 };
+
+// A slot's kv row and member bits. A packed word is decoded here, at use, not where it is loaded:
+// decoding at the load made the producer wait out the load's latency once a block (measured: 25% slower
+// kernel than the same plan in the wide format).
+__device__ __forceinline__ void slot_of(const Params& p, const Slots& sl, int buf, int j, int& row, uint32_t& bits) {
+  const int w = sl.row[buf][j];
+  if (p.from_plan && p.tile_mask == nullptr) {  // packed: a padding word (-1) has row 0xFFFFFF >= s_kv: invalid
+    row = w & 0xFFFFFF;
+    bits = static_cast<uint32_t>(w) >> 24;
+  } else {
+    row = w;
+    bits = sl.bits[buf][j];
+  }
+}
 
 __device__ __forceinline__ void load_tile_ids(const Params& p, const Program& pr, int b, int (&tile)[2]) {
 #pragma unroll
@@ -40,14 +54,8 @@ __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, i
       const int slot = g + 16 * j;
       if (p.from_plan) {
         const long long at = static_cast<long long>(tile[buf]) * kTile + slot;
-        const int w = tile[buf] >= 0 ? p.tile_kv[at] : -1;
-        if (p.tile_mask == nullptr) {  // packed: a padding word (-1) has row 0xFFFFFF >= s_kv, so it reads as invalid
-          sl.row[buf][j] = w & 0xFFFFFF;
-          sl.bits[buf][j] = static_cast<uint32_t>(w) >> 24;
-        } else {
-          sl.row[buf][j] = w;
-          sl.bits[buf][j] = tile[buf] >= 0 ? static_cast<uint32_t>(p.tile_mask[at]) : 0u;
-        }
+        sl.row[buf][j] = tile[buf] >= 0 ? p.tile_kv[at] : -1;  // (packed: the raw word, see slot_of)
+        sl.bits[buf][j] = tile[buf] >= 0 && p.tile_mask != nullptr ? static_cast<uint32_t>(p.tile_mask[at]) : 0u;
       } else {
         const int pos = (2 * b + buf) * kTile + slot;
         sl.row[buf][j] = pos < pr.n_valid ? p.indices[static_cast<long long>(pr.q0) * p.stride_idx + pos] : -1;
@@ -109,11 +117,16 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   auto fill = [&](int buf, int half, int phase) {
     mbar_wait(bars.free(buf, half), phase ^ 1);
     bool ok[4];
+    int row[4];
+    uint32_t bits[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) ok[j] = cur.row[buf][j] >= 0 && cur.row[buf][j] < p.s_kv;
+    for (int j = 0; j < 4; ++j) {
+      slot_of(p, cur, buf, j, row[j], bits[j]);
+      ok[j] = row[j] >= 0 && row[j] < p.s_kv;
+    }
     if (half == buf && unit == 0) {  // the half each buffer's consumer waits for first carries the bits
 #pragma unroll
-      for (int j = 0; j < 4; ++j) masks[buf * kTile + g + 16 * j] = ok[j] ? cur.bits[buf][j] : 0u;
+      for (int j = 0; j < 4; ++j) masks[buf * kTile + g + 16 * j] = ok[j] ? bits[j] : 0u;
     }
     const int c0 = half ? 4 : 0, c1 = half ? kChunks : 4;
     if (!(p.skip & kSkipGather)) {
@@ -121,7 +134,7 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = g + 16 * j;
-        const T* src = kv + (ok[j] ? static_cast<long long>(cur.row[buf][j]) * p.stride_kv : 0) + unit * 8;
+        const T* src = kv + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0) + unit * 8;
 #pragma unroll
         for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
       }
