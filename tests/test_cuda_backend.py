@@ -319,3 +319,18 @@ def test_views_the_kernel_cannot_copy_in_place_are_copied():
     ok = big[:, 8:584]  # 16 bytes in, row stride 1168 bytes: readable in place
     assert copies_16_bytes(ok) and aligned_16(ok) is ok
     assert not copies_16_bytes(torch.randn(4, 3, 576, dtype=torch.bfloat16)[:, :, ::2].contiguous()[:, :, 1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("sm_scale", [-0.2, 0.0])
+def test_cuda_scale_not_positive(nan_poison, sm_scale):
+    """A negative or zero sm_scale (the kernel's running max assumes a positive one) matches the reference."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(40, 16, 576, generator=g).to(torch.bfloat16).cuda()
+    kv = torch.randn(300, 576, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.randint(0, 300, (40, 128), generator=g, dtype=torch.int32).cuda()
+    got = sparse_prefill(q, kv, idx, sm_scale, backend="cuda")
+    assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, sm_scale), torch.bfloat16,
+                             what=f"sm_scale={sm_scale}")

@@ -381,7 +381,7 @@ def apply_fault(c: Case) -> dict:
     elif f == "idx_h2":
         args["indices"] = torch.stack([idx, idx], 1)
     elif f == "idx_rows":
-        args["indices"] = torch.cat([idx, idx[:1] if s_q else torch.zeros(1, idx.shape[1], dtype=idx.dtype)])
+        args["indices"] = torch.cat([idx, idx[:1] if s_q else torch.zeros(1, idx.shape[1], dtype=idx.dtype, device=idx.device)])
     elif f == "idx_topk0":
         args["indices"] = idx[:, :0]
     elif f == "idx_sparse":

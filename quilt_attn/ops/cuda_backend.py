@@ -359,6 +359,8 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     if q.shape[0] == 0:
         return out, max_logits, lse
     q, kv = aligned_16(q), aligned_16(kv)
+    if sm_scale <= 0:  # the kernel's running max assumes a positive scale: q.k s = (-q).k (-s), exactly
+        q, sm_scale = (-q, -sm_scale) if sm_scale < 0 else (torch.zeros_like(q), 1.0)
     if plan is None:
         launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
     else:
