@@ -24,6 +24,8 @@ CASES = {
     "sanitize-plan": ("sanitize_plan", "a small CUDA-planner run for compute-sanitizer"),
     "boundary-timeline": ("boundary_timeline", "clock64 stamps of the CUDA kernel's program boundaries"),
     "profile": ("profile_cuda", "one launch for Nsight Compute, and its stall summary"),
+    "owner-exact": ("owner_exact.predict", "swapped (owner-exact) tiles: model x plan owner counts (CPU; "
+                    "--measured: tile_rate.cu's JSON)"),
 }
 
 
