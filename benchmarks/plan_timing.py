@@ -42,8 +42,16 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the torch planner only, a smoke run (its times mean little)")
+    ap.add_argument("--cuda-builds", default=None,
+                    help="A/B builds of the CUDA planner instead of the backends: comma-separated -D settings, "
+                         "'base' for none (e.g. base,QUILT_PLAN_PROBE=1,QUILT_PLAN_PROBE=2); timed in "
+                         "alternating rounds in this process, each plan checked against the reference")
+    ap.add_argument("--configs", default=None, help="comma-separated labels of CONFIGS (default all)")
     args = ap.parse_args(argv)
     from quilt_attn.workloads import generate
+
+    if args.cuda_builds:
+        return _ab_builds(args, generate)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
@@ -90,6 +98,41 @@ def main(argv=None, prog=None) -> int:
             sel = {(r["backend"], r["mask_method"]): r for r in rows if r["workload"] == wl and r["config"] == label}
             cells = " ".join(f"{sel[k]['ms']:>12.3f}{'  ' if sel[k]['same_as_reference'] else ' !'}" for k in variants)
             print(f"{wl:<11} {label:<13} {cells}")
+    return 1 if not all(r["same_as_reference"] for r in rows) else 0
+
+
+def _ab_builds(args, generate) -> int:
+    """The CUDA planner built with each of ``--cuda-builds``' settings, timed in alternating rounds."""
+    from quilt_attn.ops import cuda_backend
+
+    builds = [b.strip() for b in args.cuda_builds.split(",")]
+    libs = {b: cuda_backend.build(defines=() if b == "base" else (f"-D{b}",)) for b in builds}
+    configs = [c for c in CONFIGS if args.configs is None or c[0] in args.configs.split(",")]
+    rows = []
+    for wl in args.workloads.split(","):
+        idx = generate(wl, args.s_q, args.s_kv, args.topk, seed=0, device="cuda")
+        for label, G, M, split in configs:
+            kw = dict(s_kv=args.s_kv, group_size=G, merge_level=M, split_private=split)
+            ref = plan(idx, backend="torch" if args.torch else "triton", **kw)
+            same = {}
+            for b in builds:
+                cuda_backend.use_library(libs[b])
+                same[b] = plans_equal(plan(idx, backend="cuda", **kw), ref)
+
+            rounds = {b: [] for b in builds}
+            for rnd in range(4):  # alternating order, as bench.interleaved_rounds, the library switched untimed
+                for b in (builds if rnd % 2 == 0 else builds[::-1]):
+                    cuda_backend.use_library(libs[b])
+                    rounds[b].append(time_ms(lambda: plan(idx, backend="cuda", **kw), warmup=5, rep=40))
+            for b in builds:
+                ms = sorted(rounds[b])[len(rounds[b]) // 2]
+                rows.append({"workload": wl, "config": label, "group_size": G, "merge_level": M,
+                             "split_private": split, "backend": "cuda", "build": b, "ms": ms, "rounds_ms": rounds[b],
+                             "same_as_reference": same[b]})
+                print(f"{wl:<11} {label:<13} {b:<22} {ms:8.3f} ms  same={same[b]}  rounds {rounds[b]}", flush=True)
+    cuda_backend.use_library(None)
+    save(rows, args.out, {"what": f"CUDA planner builds A/B, s_q {args.s_q}, s_kv {args.s_kv}, topk {args.topk}",
+                          "command": "python " + " ".join(sys.argv)})
     return 1 if not all(r["same_as_reference"] for r in rows) else 0
 
 

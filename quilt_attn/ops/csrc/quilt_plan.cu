@@ -60,6 +60,12 @@ struct PlanParams {
   X(group_valid) X(dropped) X(priv_idx) X(priv_n) X(stride_idx) X(s_q) X(s_kv) X(topk) X(n_groups) X(cap)     \
   X(tile) X(merge) X(iclip) X(split) X(log_flags) X(nslots) X(thr)
 
+// Collision probing of the membership table (a measurement switch, default 0): 0 each lane probes its own
+// entries, 1 the same reading a slot before its CAS, 2 the warp's colliding entries probed by all its lanes.
+#ifndef QUILT_PLAN_PROBE
+#define QUILT_PLAN_PROBE 0
+#endif
+
 constexpr int kEpt = 16;          // list entries a thread
 constexpr int kMaxThreads = 1024;
 // An entry's reference once its row is in the table: the slot, kDup for a repeated (query, row), -1 invalid.
@@ -313,20 +319,70 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       const unsigned w = ok ? atomicCAS(hkeys + row_home(key, nslot), 0u, key) : 0u;
       coll |= static_cast<unsigned>(w != 0u && w != key) << i;
     }
+#if QUILT_PLAN_PROBE == 2
+    // the warp's colliding entries, probed by all its lanes at once from a list in the warp's part of the
+    // rows area (free until the references are stored below; 16 ints a lane, as many as a lane's entries)
+    {
+      const int lane = tid & 31;
+      unsigned* wl = reinterpret_cast<unsigned*>(c.smem) + (tid - lane) * kEpt;
+      const int mine = __popc(coll);
+      int off = mine;  // inclusive scan of the lanes' counts
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {  // then each entry's slot; collisions probe on (rare at 1.5 slots an entry)
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xFFFFFFFFu, off, d);
+        if (lane >= d) off += v;
+      }
+      const int total = __shfl_sync(0xFFFFFFFFu, off, 31);
+      off -= mine;
+      int o = off;
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) {
+        if ((coll >> i) & 1u) wl[o++] = static_cast<unsigned>(ent[h][i]) + 1u;
+      }
+      __syncwarp();
+      for (int j = lane; j < total; j += 32) {
+        const unsigned key = wl[j];
+        unsigned at = row_home(key, nslot);
+        for (;;) {
+          at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
+          const unsigned w = atomicCAS(hkeys + at, 0u, key);
+          if (w == 0u || w == key) break;
+        }
+        wl[j] = at;
+      }
+      __syncwarp();
+      o = off;
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) {
+        const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
+        unsigned at = row_home(static_cast<unsigned>(ent[h][i]) + 1u, nslot);
+        if ((coll >> i) & 1u) at = wl[o++];
+        ent[h][i] = ok ? static_cast<int>(at) : -1;
+      }
+      __syncwarp();  // (the next run's list, or the references below, overwrite the list)
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < kEpt; ++i) {  // then each entry's slot; collisions probe on
       const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
       const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
       unsigned at = row_home(key, nslot);
       if ((coll >> i) & 1u) {
         for (;;) {
           at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
+#if QUILT_PLAN_PROBE == 1
+          // a slot holding another key keeps it (keys are only ever set, from 0): no atomic needed to pass it
+          const unsigned seen = *reinterpret_cast<volatile unsigned*>(hkeys + at);
+          if (seen == key) break;
+          if (seen != 0u) continue;
+#endif
           const unsigned w = atomicCAS(hkeys + at, 0u, key);
           if (w == 0u || w == key) break;
         }
       }
       ent[h][i] = ok ? static_cast<int>(at) : -1;
     }
+#endif
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
       const bool ok = ent[h][i] >= 0;
