@@ -21,11 +21,14 @@ CASES = {
     "ab-cuda": ("ab_cuda", "CUDA kernel variants (libraries, CTA counts, program orders, groups), interleaved"),
     "cp-split": ("cp_split", "context-parallel query splits: zigzag vs round-robin (--cpu: tile counts only)"),
     "sanitize-cuda": ("sanitize_cuda", "a small CUDA-kernel run for compute-sanitizer"),
+    "sanitize-triton": ("sanitize_triton", "a small run of every Triton path for compute-sanitizer memcheck"),
     "sanitize-plan": ("sanitize_plan", "a small CUDA-planner run for compute-sanitizer"),
     "boundary-timeline": ("boundary_timeline", "clock64 stamps of the CUDA kernel's program boundaries"),
     "profile": ("profile_cuda", "one launch for Nsight Compute, and its stall summary"),
     "owner-exact": ("owner_exact.predict", "swapped (owner-exact) tiles: model x plan owner counts (CPU; "
                     "--measured: tile_rate.cu's JSON)"),
+    "fp8-accuracy": ("fp8_accuracy", "FP8 tensor-core mode (CPU emulation) against the exact path: q / P "
+                     "granularities, accumulator bits, layer proxy (CPU)"),
 }
 
 

@@ -231,3 +231,17 @@ def test_result_files_record_a_given_commit(monkeypatch, given, recorded):
 
     monkeypatch.setenv("QUILT_COMMIT", given)
     assert environment()["commit"] == recorded
+
+
+@pytest.mark.interpret
+def test_sanitize_triton_case_checks_every_path(capsys):
+    """The memcheck case runs every Triton path (plan, private rows, query programs, FP8 in the kernel) and
+    checks each against the reference (exit 0); under compute-sanitizer on a GPU it is the memory proof."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import sanitize_triton
+
+    assert sanitize_triton.main(["--s-q", "8", "--s-kv", "256", "--topk", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rel-L2") == len(sanitize_triton.CASES) and "sanitize case OK" in out
