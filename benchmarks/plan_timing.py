@@ -46,6 +46,9 @@ def main(argv=None, prog=None) -> int:
                     help="A/B builds of the CUDA planner instead of the backends: comma-separated -D settings, "
                          "'base' for none (e.g. base,QUILT_PLAN_PROBE=1,QUILT_PLAN_PROBE=2); timed in "
                          "alternating rounds in this process, each plan checked against the reference")
+    ap.add_argument("--table-slots", default=None,
+                    help="with --cuda-builds: comma-separated membership-table slots a list entry to A/B as well "
+                         "(cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY, e.g. 1.5,1.75)")
     ap.add_argument("--configs", default=None, help="comma-separated labels of CONFIGS (default all)")
     args = ap.parse_args(argv)
     from quilt_attn.workloads import generate
@@ -105,8 +108,16 @@ def _ab_builds(args, generate) -> int:
     """The CUDA planner built with each of ``--cuda-builds``' settings, timed in alternating rounds."""
     from quilt_attn.ops import cuda_backend
 
-    builds = [b.strip() for b in args.cuda_builds.split(",")]
-    libs = {b: cuda_backend.build(defines=() if b == "base" else (f"-D{b}",)) for b in builds}
+    libs = {b.strip(): cuda_backend.build(defines=() if b.strip() == "base" else (f"-D{b.strip()}",))
+            for b in args.cuda_builds.split(",")}
+    default_slots = cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY
+    slots = [float(x) for x in args.table_slots.split(",")] if args.table_slots else [default_slots]
+    builds = [(b, sl) for b in libs for sl in slots]  # variants: (build, table slots an entry)
+
+    def use(variant):
+        cuda_backend.use_library(libs[variant[0]])
+        cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY = variant[1]
+
     configs = [c for c in CONFIGS if args.configs is None or c[0] in args.configs.split(",")]
     rows = []
     for wl in args.workloads.split(","):
@@ -116,21 +127,23 @@ def _ab_builds(args, generate) -> int:
             ref = plan(idx, backend="torch" if args.torch else "triton", **kw)
             same = {}
             for b in builds:
-                cuda_backend.use_library(libs[b])
+                use(b)
                 same[b] = plans_equal(plan(idx, backend="cuda", **kw), ref)
 
             rounds = {b: [] for b in builds}
             for rnd in range(4):  # alternating order, as bench.interleaved_rounds, the library switched untimed
                 for b in (builds if rnd % 2 == 0 else builds[::-1]):
-                    cuda_backend.use_library(libs[b])
+                    use(b)
                     rounds[b].append(time_ms(lambda: plan(idx, backend="cuda", **kw), warmup=5, rep=40))
             for b in builds:
                 ms = sorted(rounds[b])[len(rounds[b]) // 2]
                 rows.append({"workload": wl, "config": label, "group_size": G, "merge_level": M,
-                             "split_private": split, "backend": "cuda", "build": b, "ms": ms, "rounds_ms": rounds[b],
-                             "same_as_reference": same[b]})
-                print(f"{wl:<11} {label:<13} {b:<22} {ms:8.3f} ms  same={same[b]}  rounds {rounds[b]}", flush=True)
+                             "split_private": split, "backend": "cuda", "build": b[0], "table_slots": b[1], "ms": ms,
+                             "rounds_ms": rounds[b], "same_as_reference": same[b]})
+                print(f"{wl:<11} {label:<13} {b[0]:<20} slots {b[1]:<5} {ms:8.3f} ms  same={same[b]}  "
+                      f"rounds {[round(x, 4) for x in rounds[b]]}", flush=True)
     cuda_backend.use_library(None)
+    cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY = default_slots
     save(rows, args.out, {"what": f"CUDA planner builds A/B, s_q {args.s_q}, s_kv {args.s_kv}, topk {args.topk}",
                           "command": "python " + " ".join(sys.argv)})
     return 1 if not all(r["same_as_reference"] for r in rows) else 0

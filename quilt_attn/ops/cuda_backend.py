@@ -204,11 +204,18 @@ def plan_list_pad(topk: int) -> int:
     return -(-topk // 512) * 512
 
 
+# Membership-table slots a list entry: more make collision chains shorter and take more shared memory
+# (group 4 at 1.5: 98 KB, two CTAs an SM; at 1.75 108 KB, still two). A measurement knob
+# (benchmarks/plan_timing.py --table-slots); slot references stay below the planner's kDup bit (2^15).
+PLAN_TABLE_SLOTS_PER_ENTRY = 1.5
+PLAN_MAX_TABLE_SLOTS = (1 << 15) - 1
+
+
 def plan_table_slots(group_size: int, topk: int) -> int:
-    """Slots of the planner's membership hash table: 1.5 an entry, so linear probing stays short even when
-    no two entries share a row."""
+    """Slots of the planner's membership hash table (``PLAN_TABLE_SLOTS_PER_ENTRY`` an entry), so that linear
+    probing stays short even when no two entries share a row."""
     entries = group_size * plan_list_pad(topk)
-    return entries + entries // 2
+    return min(int(entries * PLAN_TABLE_SLOTS_PER_ENTRY), PLAN_MAX_TABLE_SLOTS)
 
 
 def plan_launch_shape(group_size: int, topk: int, tile: int) -> tuple[int, int, int]:
