@@ -73,10 +73,16 @@ def main(argv=None, prog=None) -> int:
         rows.append(dict(h=h, plan=use_plan, dtype=str(dtype), ctas=ctas, rel_err=err, nan=nan,
                          strict_sync=a.strict_sync))
         print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} {str(dtype):<15} rel-L2 {err:.2e}  nan={nan}")
-    if a.out:
+    return verdict(rows, a.out)
+
+
+def verdict(rows: list[dict], out: str | None) -> int:
+    """A sanitizer case's end: the rows saved to ``out`` (optional), exit 1 if a result was off (relative L2
+    error 1e-2 or more, or a NaN), else 0."""
+    if out:
         from quilt_bench.bench import save
 
-        save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
+        save(rows, out, {"command": "python " + " ".join(sys.argv)})
     worst = max(r["rel_err"] for r in rows)
     if worst >= 1e-2 or any(r["nan"] for r in rows):
         print(f"sanitize case FAILED: worst rel-L2 {worst:.2e}")

@@ -21,6 +21,7 @@ import quilt_attn
 from quilt_attn import PlanSettings, sparse_prefill_reference
 from quilt_attn.kv_cache import dequantize_fp8, quantize_fp8
 from quilt_attn.workloads import generate
+from sanitize_cuda import verdict
 
 # (heads, method, settings, kv format)
 CASES = [(16, "quilt", PlanSettings(split_private=False), "bf16"), (8, "quilt", PlanSettings(split_private=True), "bf16"),
@@ -64,16 +65,7 @@ def main(argv=None, prog=None) -> int:
         rows.append(dict(h=h, method=method, kv=kvf, split_private=bool(settings and settings.split_private),
                          rel_err=err, nan=nan))
         print(f"h={h:<3} {method:<14} kv={kvf:<5} split={rows[-1]['split_private']!s:<5} rel-L2 {err:.2e}  nan={nan}")
-    if a.out:
-        from quilt_bench.bench import save
-
-        save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
-    worst = max(r["rel_err"] for r in rows)
-    if worst >= 1e-2 or any(r["nan"] for r in rows):
-        print(f"sanitize case FAILED: worst rel-L2 {worst:.2e}")
-        return 1
-    print("sanitize case OK")
-    return 0
+    return verdict(rows, a.out)
 
 
 if __name__ == "__main__":
