@@ -313,7 +313,11 @@ def _engine(doc, path, root) -> list[str]:
         lines += ["`benchmarks/engine_shapes.py` (`benchmarks/run.py engine-shapes`) times these shapes on the "
                   "current code; it has not run yet.", ""]
         return lines
-    lines += [f"Current code ({_header_lines(doc, path, root)}):", "",
+    lines += [f"Current code ({_header_lines(doc, path, root)}). `kernel`: the CUDA attention with a plan built "
+              "beforehand; `call`: `sparse_prefill(q, kv, indices)` with default arguments, planning inside; "
+              "`plan`: `quilt_attn.plan` alone; FlashMLA at 64 heads, as engines pad; `extra MiB`: the call's peak "
+              "device memory above its inputs and outputs; `rel_err`: the call's out against the float32 "
+              "reference. Two index / q / kv sets alternate between timed calls.", "",
               "| case | h | kernel ms | call ms | call / kernel | plan ms | FlashMLA ms | FlashMLA / call | "
               "extra MiB | rel_err |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = {}
