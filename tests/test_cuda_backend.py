@@ -334,3 +334,15 @@ def test_cuda_scale_not_positive(nan_poison, sm_scale):
     got = sparse_prefill(q, kv, idx, sm_scale, backend="cuda")
     assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, sm_scale), torch.bfloat16,
                              what=f"sm_scale={sm_scale}")
+
+
+def test_launch_refuses_a_scale_it_cannot_run():
+    """The kernel launch itself takes positive scales only (the call maps the others); checked before any
+    device work, so it holds without a GPU."""
+    q = torch.zeros(1, 1, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 576, dtype=torch.bfloat16)
+    out = torch.zeros(1, 1, 512, dtype=torch.bfloat16)
+    stats = torch.zeros(1, 1)
+    for bad in (0.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="sm_scale"):
+            cuda_backend.launch(q, kv, bad, out, stats, stats.clone(), indices=torch.zeros(1, 1, dtype=torch.int32))

@@ -297,6 +297,8 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     if not partial and (out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8 or out.stride(1) % 8):
         raise ValueError("out must have a unit last stride, 16-byte alignment and row strides that are multiples of 8 "
                          f"(the kernel writes 16-byte pieces); got strides {tuple(out.stride())}")
+    if not sm_scale > 0:  # (launch_sparse_attention_cuda turns any other real scale into a positive one)
+        raise ValueError(f"sm_scale must be positive here (the kernel's running max assumes it), got {sm_scale}")
     for name, x in (("q", q), ("kv", kv)):
         if not copies_16_bytes(x):
             raise ValueError(f"{name} must start at a 16-byte aligned address with unit last stride and other strides "
