@@ -114,6 +114,21 @@ __device__ __forceinline__ unsigned row_home(unsigned key, int nslots) {
   return __umulhi(key * 2654435769u, static_cast<unsigned>(nslots));
 }
 
+// The slot of `key` past `at`, a slot holding another key: linear probing, claiming the first empty slot
+__device__ __forceinline__ unsigned probe_on(unsigned* hkeys, unsigned at, unsigned key, int nslot) {
+  for (;;) {
+    at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
+#if QUILT_PLAN_PROBE == 1
+    // a slot holding another key keeps it (keys are only ever set, from 0): no atomic needed to pass it
+    const unsigned seen = *reinterpret_cast<volatile unsigned*>(hkeys + at);
+    if (seen == key) return at;
+    if (seen != 0u) continue;
+#endif
+    const unsigned w = atomicCAS(hkeys + at, 0u, key);
+    if (w == 0u || w == key) return at;
+  }
+}
+
 // the column word a slot reference and its member bits stage as until the tiles are written
 __device__ __forceinline__ int stage_word(int ref, unsigned bits) {
   return (ref & kSlotMask) | static_cast<int>(bits << 16);
@@ -342,13 +357,7 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       __syncwarp();
       for (int j = lane; j < total; j += 32) {
         const unsigned key = wl[j];
-        unsigned at = row_home(key, nslot);
-        for (;;) {
-          at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
-          const unsigned w = atomicCAS(hkeys + at, 0u, key);
-          if (w == 0u || w == key) break;
-        }
-        wl[j] = at;
+        wl[j] = probe_on(hkeys, row_home(key, nslot), key, nslot);
       }
       __syncwarp();
       o = off;
@@ -367,19 +376,7 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
       const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
       unsigned at = row_home(key, nslot);
-      if ((coll >> i) & 1u) {
-        for (;;) {
-          at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
-#if QUILT_PLAN_PROBE == 1
-          // a slot holding another key keeps it (keys are only ever set, from 0): no atomic needed to pass it
-          const unsigned seen = *reinterpret_cast<volatile unsigned*>(hkeys + at);
-          if (seen == key) break;
-          if (seen != 0u) continue;
-#endif
-          const unsigned w = atomicCAS(hkeys + at, 0u, key);
-          if (w == 0u || w == key) break;
-        }
-      }
+      if ((coll >> i) & 1u) at = probe_on(hkeys, at, key, nslot);
       ent[h][i] = ok ? static_cast<int>(at) : -1;
     }
 #endif
