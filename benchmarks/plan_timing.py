@@ -17,6 +17,7 @@ than L2) are built outside the timed region.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -53,12 +54,12 @@ def main(argv=None, prog=None) -> int:
     args = ap.parse_args(argv)
     from quilt_attn.workloads import generate
 
-    if args.cuda_builds:
-        return _ab_builds(args, generate)
-
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
+    configs = [c for c in CONFIGS if args.configs is None or c[0] in args.configs.split(",")]
+    if args.cuda_builds:
+        return _ab_builds(args, generate, configs)
     cuda = args.device == "cuda"
     if cuda:
         variants = [("cuda", "bitmap"), ("triton", "bitmap"), ("triton", "sort")] + \
@@ -69,7 +70,7 @@ def main(argv=None, prog=None) -> int:
     rows = []
     for wl in args.workloads.split(","):
         idx = generate(wl, args.s_q, args.s_kv, args.topk, seed=0, device=args.device)
-        for label, G, M, split in CONFIGS:
+        for label, G, M, split in configs:
             kw = dict(s_kv=args.s_kv, group_size=G, merge_level=M, split_private=split)
             ref = plan(idx, backend=ref_backend, **kw)
             alloc = {filled: time_ms(lambda: plan_buffers(args.s_q, args.topk, G, M, 64, split, idx.device,
@@ -97,14 +98,14 @@ def main(argv=None, prog=None) -> int:
                           "command": "python " + " ".join(sys.argv)})
     print(f"\n{'workload':<11} {'config':<13} " + " ".join(f"{b + '/' + m:>14}" for b, m in variants))
     for wl in args.workloads.split(","):
-        for label, *_ in CONFIGS:
+        for label, *_ in configs:
             sel = {(r["backend"], r["mask_method"]): r for r in rows if r["workload"] == wl and r["config"] == label}
             cells = " ".join(f"{sel[k]['ms']:>12.3f}{'  ' if sel[k]['same_as_reference'] else ' !'}" for k in variants)
             print(f"{wl:<11} {label:<13} {cells}")
     return 1 if not all(r["same_as_reference"] for r in rows) else 0
 
 
-def _ab_builds(args, generate) -> int:
+def _ab_builds(args, generate, configs) -> int:
     """The CUDA planner built with each of ``--cuda-builds``' settings, timed in alternating rounds."""
     from quilt_attn.ops import cuda_backend
 
@@ -118,13 +119,12 @@ def _ab_builds(args, generate) -> int:
         cuda_backend.use_library(libs[variant[0]])
         cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY = variant[1]
 
-    configs = [c for c in CONFIGS if args.configs is None or c[0] in args.configs.split(",")]
     rows = []
     for wl in args.workloads.split(","):
         idx = generate(wl, args.s_q, args.s_kv, args.topk, seed=0, device="cuda")
         for label, G, M, split in configs:
             kw = dict(s_kv=args.s_kv, group_size=G, merge_level=M, split_private=split)
-            ref = plan(idx, backend="torch" if args.torch else "triton", **kw)
+            ref = plan(idx, backend="triton", **kw)  # the reference of the backend comparison above
             same = {}
             for b in builds:
                 use(b)
@@ -136,7 +136,7 @@ def _ab_builds(args, generate) -> int:
                     use(b)
                     rounds[b].append(time_ms(lambda: plan(idx, backend="cuda", **kw), warmup=5, rep=40))
             for b in builds:
-                ms = sorted(rounds[b])[len(rounds[b]) // 2]
+                ms = statistics.median(rounds[b])
                 rows.append({"workload": wl, "config": label, "group_size": G, "merge_level": M,
                              "split_private": split, "backend": "cuda", "build": b[0], "table_slots": b[1], "ms": ms,
                              "rounds_ms": rounds[b], "same_as_reference": same[b]})
