@@ -97,7 +97,7 @@ from ._checks import (
     require_same_device,
     require_tensor,
 )
-from .kv_cache import D_NOPE, D_QK, FP8_E4M3_MAX, FP8_GROUP, FP8_NUM_SCALES, canonical_fp8_cache
+from .kv_cache import D_NOPE, D_QK, FP8_E4M3_MAX, FP8_GROUP, FP8_NUM_SCALES, canonical_fp8_cache, split_fp8_rows
 from .reference import apply_attn_sink, valid_index_mask
 
 Q_GRANULARITIES = ("token_head", "token_head_block", "token_head_2term", "bf16")
@@ -167,12 +167,9 @@ def q_terms(q_latent: torch.Tensor, granularity: str = "token_head"):
 
 def _decode_rows(rows: torch.Tensor):
     """Gathered FP8 cache rows ``uint8 [..., 656]`` -> (e4m3 latent as float64 ``[..., 4, 128]``,
-    scales float32 ``[..., 4]``, rope bf16 ``[..., 64]``). The layout of ``quilt_attn.kv_cache``."""
-    rows = rows.contiguous()
-    lat = rows[..., :D_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
-    scale = rows[..., D_NOPE:D_NOPE + 4 * FP8_NUM_SCALES].contiguous().view(torch.float32)
-    rope = rows[..., D_NOPE + 4 * FP8_NUM_SCALES:].contiguous().view(torch.bfloat16)
-    return lat.reshape(*lat.shape[:-1], FP8_NUM_SCALES, FP8_GROUP), scale, rope
+    scales float32 ``[..., 4]``, rope bf16 ``[..., 64]``)."""
+    lat, scale, rope = split_fp8_rows(rows)
+    return lat.to(torch.float64), scale, rope
 
 
 def _check_choice(name: str, value, choices) -> str:

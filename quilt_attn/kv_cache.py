@@ -84,14 +84,21 @@ def quantize_fp8(kv: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def split_fp8_rows(rows: torch.Tensor):
+    """The fields of FP8 cache rows ``uint8 [..., 656]``: the e4m3 latent values as float32 ``[..., 4, 128]``
+    (exact), their scales float32 ``[..., 4]`` (one per 128 columns) and the rope part bf16 ``[..., 64]``."""
+    rows = rows.contiguous()
+    lat = rows[..., :D_NOPE].contiguous().view(torch.float8_e4m3fn).float()
+    scale = rows[..., D_NOPE : D_NOPE + 4 * FP8_NUM_SCALES].contiguous().view(torch.float32)
+    rope = rows[..., D_NOPE + 4 * FP8_NUM_SCALES :].contiguous().view(torch.bfloat16)
+    return lat.reshape(*lat.shape[:-1], FP8_NUM_SCALES, FP8_GROUP), scale, rope
+
+
 def dequantize_fp8(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Expand the FP8 cache back to a dense ``[s_kv, 576]`` tensor of ``dtype``."""
     cache = canonical_fp8_cache(cache, "cache")
     s_kv = cache.shape[0]
-    cache = cache.contiguous()
-    q = cache[:, :D_NOPE].contiguous().view(torch.float8_e4m3fn).float().view(s_kv, FP8_NUM_SCALES, FP8_GROUP)
-    scale = cache[:, D_NOPE : D_NOPE + 16].contiguous().view(torch.float32)
-    rope = cache[:, D_NOPE + 16 :].contiguous().view(torch.bfloat16)
+    q, scale, rope = split_fp8_rows(cache)
     out = torch.empty(s_kv, D_QK, dtype=dtype, device=cache.device)
     out[:, :D_NOPE] = (q * scale[..., None]).view(s_kv, D_NOPE).to(dtype)
     out[:, D_NOPE:] = rope.to(dtype)
