@@ -5,8 +5,8 @@
 // and every ordering question (the tail of a segment, a column's place in its tile) is a block-wide
 // prefix sum. The group's membership table is an open-addressing hash table in shared memory keyed by
 // kv row (1.5 slots an entry, so its size depends on the group's entries, never on s_kv: any slot id of
-// a paged pool plans alike). Each entry finds its row's slot once (a CAS, rarely a probe more) and from
-// then on carries the slot, so every later lookup is one byte load of the slot's member bits; the row
+// a paged pool plans alike). Each entry finds its row's slot once (a CAS at its home slot; the warp's
+// collisions are then probed by all its lanes together) and from then on carries the slot, so every later lookup is one byte load of the slot's member bits; the row
 // itself is read back from the slot's key when the tiles are written. The rows that tile-aware clipping
 // pushes down (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level,
 // block), except at the merge level: a row pushed from there makes a column of the block's
@@ -60,10 +60,9 @@ struct PlanParams {
   X(group_valid) X(dropped) X(priv_idx) X(priv_n) X(stride_idx) X(s_q) X(s_kv) X(topk) X(n_groups) X(cap)     \
   X(tile) X(merge) X(iclip) X(split) X(log_flags) X(nslots) X(thr)
 
-// Collision probing of the membership table (a measurement switch, default 0): 0 each lane probes its own
-// entries, 1 the same reading a slot before its CAS, 2 the warp's colliding entries probed by all its lanes.
-#ifndef QUILT_PLAN_PROBE
-#define QUILT_PLAN_PROBE 0
+// Measurement switch (default 1): 0 leaves the tiles past a group's last unwritten, to time their fill.
+#ifndef QUILT_PLAN_FILL
+#define QUILT_PLAN_FILL 1
 #endif
 
 constexpr int kEpt = 16;          // list entries a thread
@@ -118,12 +117,6 @@ __device__ __forceinline__ unsigned row_home(unsigned key, int nslots) {
 __device__ __forceinline__ unsigned probe_on(unsigned* hkeys, unsigned at, unsigned key, int nslot) {
   for (;;) {
     at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
-#if QUILT_PLAN_PROBE == 1
-    // a slot holding another key keeps it (keys are only ever set, from 0): no atomic needed to pass it
-    const unsigned seen = *reinterpret_cast<volatile unsigned*>(hkeys + at);
-    if (seen == key) return at;
-    if (seen != 0u) continue;
-#endif
     const unsigned w = atomicCAS(hkeys + at, 0u, key);
     if (w == 0u || w == key) return at;
   }
@@ -328,15 +321,16 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
   for (int h = 0; h < kH; ++h) {
     unsigned coll = 0u;  // entries whose home slot holds another row
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {  // first probes, independent of each other
+    for (int i = 0; i < kEpt; ++i) {  // first probes, independent of each other and branch-free: an
+      // invalid entry writes the spare key at slot nslot, which no probe and no column reads
       const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
       const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
-      const unsigned w = ok ? atomicCAS(hkeys + row_home(key, nslot), 0u, key) : 0u;
-      coll |= static_cast<unsigned>(w != 0u && w != key) << i;
+      const unsigned w = atomicCAS(hkeys + (ok ? row_home(key, nslot) : static_cast<unsigned>(nslot)), 0u, key);
+      coll |= static_cast<unsigned>(ok && w != 0u && w != key) << i;
     }
-#if QUILT_PLAN_PROBE == 2
-    // the warp's colliding entries, probed by all its lanes at once from a list in the warp's part of the
-    // rows area (free until the references are stored below; 16 ints a lane, as many as a lane's entries)
+    // The warp's colliding entries are probed by all its lanes at once, from a list in the warp's part of
+    // the rows area (free until the references are stored below; 16 ints a lane, as many as a lane's
+    // entries). Probing each lane's own entries instead runs 16 divergent loops a warp, a few lanes each.
     {
       const int lane = tid & 31;
       unsigned* wl = reinterpret_cast<unsigned*>(c.smem) + (tid - lane) * kEpt;
@@ -349,18 +343,20 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       }
       const int total = __shfl_sync(0xFFFFFFFFu, off, 31);
       off -= mine;
-      int o = off;
+      if (total != 0) {  // (warp-uniform)
+        int o = off;
 #pragma unroll
-      for (int i = 0; i < kEpt; ++i) {
-        if ((coll >> i) & 1u) wl[o++] = static_cast<unsigned>(ent[h][i]) + 1u;
+        for (int i = 0; i < kEpt; ++i) {
+          if ((coll >> i) & 1u) wl[o++] = static_cast<unsigned>(ent[h][i]) + 1u;
+        }
+        __syncwarp();
+        for (int j = lane; j < total; j += 32) {
+          const unsigned key = wl[j];
+          wl[j] = probe_on(hkeys, row_home(key, nslot), key, nslot);
+        }
+        __syncwarp();
       }
-      __syncwarp();
-      for (int j = lane; j < total; j += 32) {
-        const unsigned key = wl[j];
-        wl[j] = probe_on(hkeys, row_home(key, nslot), key, nslot);
-      }
-      __syncwarp();
-      o = off;
+      int o = off;
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) {
         const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
@@ -370,16 +366,6 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       }
       __syncwarp();  // (the next run's list, or the references below, overwrite the list)
     }
-#else
-#pragma unroll
-    for (int i = 0; i < kEpt; ++i) {  // then each entry's slot; collisions probe on
-      const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
-      const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
-      unsigned at = row_home(key, nslot);
-      if ((coll >> i) & 1u) at = probe_on(hkeys, at, key, nslot);
-      ent[h][i] = ok ? static_cast<int>(at) : -1;
-    }
-#endif
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
       const bool ok = ent[h][i] >= 0;
@@ -864,7 +850,7 @@ __device__ __forceinline__ void write_tiles(const PlanParams& p, const PlanCta<G
   }
   // the tiles past the group's last: kv -1, mask 0 (the Plan's contract; the buffers come uninitialized,
   // which saves a fill of the whole worst-case allocation before the launch)
-  {
+  if (QUILT_PLAN_FILL) {
     const long long from = (gbase + n_tiles) * T, nfill = static_cast<long long>(p.cap - n_tiles) * T;
     if (T % 4 == 0) {  // 16-byte aligned: (gbase + tiles) * T ints
       int4* kz = reinterpret_cast<int4*>(p.tile_kv + from);
@@ -904,7 +890,7 @@ __device__ __forceinline__ void write_tiles(const PlanParams& p, const PlanCta<G
 // kH = 2 a group of 8 takes 512 threads instead of 1024, and the two runs' slot references share the ints of
 // the rows area (16 bits each), so the rows area is halved.
 template <int G, bool kFlat, int kH = 1>
-__global__ void __launch_bounds__(kMaxThreads, 1) plan_kernel(const __grid_constant__ PlanParams p) {
+__global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_constant__ PlanParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ unsigned long long wsum[2 * 32];
   __shared__ int n_valid;
