@@ -258,6 +258,28 @@ def test_empty_rows(method):
         assert (out[r] == 0).all() and torch.isneginf(ml[r]).all() and torch.isposinf(lse[r]).all()
 
 
+def _inf_row_case(h, d_qk, d_v, dtype, device):
+    """Query 3 selects only row 21, twice; row 21 holds +inf at a value column where query 3's q is negative:
+    every logit of query 3 is -inf (an empty row), and P = 0 meets V = inf. The other queries select finite
+    rows only."""
+    s_q, s_kv = 4, 33
+    q = randn(s_q, h, d_qk, seed=62, dtype=dtype, device=device)
+    kv = randn(s_kv, d_qk, seed=63, dtype=dtype, device=device)
+    c = d_v - 109 if d_v > 109 else d_v // 2
+    kv[21, c] = float("inf")
+    q[3, :, c] = -q[3, :, c].abs() - 0.5
+    idx = torch.tensor([[3, 30], [5, 5], [11, 24], [21, 21]], dtype=torch.int32, device=device)
+    return q, kv, idx
+
+
+@pytest.mark.interpret
+def test_query_parallel_row_of_minus_inf_logits_with_inf_value_is_empty():
+    q, kv, idx = _inf_row_case(2, 80, DV, F16, KERNEL_DEVICE)
+    out, ml, lse = got = run(q, kv, idx, "query_parallel")
+    assert_matches_reference(got, ref(q, kv, idx), F16, what="query_parallel")
+    assert (out[3] == 0).all() and torch.isneginf(ml[3]).all() and torch.isposinf(lse[3]).all()
+
+
 @pytest.mark.interpret
 def test_all_rows_empty():
     q, kv, idx = make_inputs(8, 2, s_kv=40, topk=16, seed=61)
@@ -524,6 +546,17 @@ def test_gpu_invalid_indices_topk_length_sink(backend, method, kind):
     for r in (9, 10, 64, 71):
         assert (out[r] == 0).all() and torch.isneginf(ml[r]).all() and torch.isposinf(lse[r]).all()
     assert (out[:, 1] == 0).all()
+
+
+@gpu
+@no_interp
+@pytest.mark.parametrize("h", [1, 16, 64])
+@backends
+def test_gpu_query_parallel_row_of_minus_inf_logits_with_inf_value_is_empty(backend, h):
+    q, kv, idx = _inf_row_case(h, 576, 512, BF16, "cuda")
+    out, ml, lse = got = gpu_run(q, kv, idx, "query_parallel", backend=backend)
+    assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, d_v=512), BF16, what=f"{backend} h={h}")
+    assert (out[3] == 0).all() and torch.isneginf(ml[3]).all() and torch.isposinf(lse[3]).all()
 
 
 @gpu

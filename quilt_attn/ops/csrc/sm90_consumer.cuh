@@ -421,13 +421,16 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
     if (!kPartial && p.sink != nullptr && !empty && ok) {
       fac *= 1.f / (1.f + expf(p.sink[head] - lse * 0.6931471805599453f));
     }
+    // an empty row writes zeros, not o * 0: a selected row whose logits are all -inf may still carry an inf in
+    // V, and P = 0 times it left NaN in o
+    auto fin = [empty, fac](float x) { return empty ? 0.f : x * fac; };
     OutT* out = static_cast<OutT*>(p.out) + (ok ? qq * p.stride_os + head * p.stride_oh : 0) + wg * 256;
     if constexpr (kPartial) {
       if (ok) {
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
           *reinterpret_cast<float2*>(out + j * 8 + quad * 2) =
-              make_float2(o[j * 4 + i * 2] * fac, o[j * 4 + i * 2 + 1] * fac);
+              make_float2(fin(o[j * 4 + i * 2]), fin(o[j * 4 + i * 2 + 1]));
         }
       }
     } else {
@@ -437,7 +440,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         uint32_t v[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          v[c] = Mma<T>::pack(o[(4 * a + c) * 4 + i * 2] * fac, o[(4 * a + c) * 4 + i * 2 + 1] * fac);
+          v[c] = Mma<T>::pack(fin(o[(4 * a + c) * 4 + i * 2]), fin(o[(4 * a + c) * 4 + i * 2 + 1]));
         }
         quad_transpose(v, quad);
         if (ok) *reinterpret_cast<uint4*>(out + (4 * a + quad) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
