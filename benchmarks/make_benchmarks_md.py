@@ -42,7 +42,11 @@ UNMEASURED_CHANGES = [
     "`quilt_attn.dispatch` decides what runs from the settings alone, with no host sync (the plan's tile counts "
     "are no longer read back by default);",
     "the Triton kernel masks its kv loads of padding and invalid columns (they read row 0 before);",
-    "the CUDA sources are split by role into headers (the generated SASS is identical, by cuobjdump diff).",
+    "the CUDA sources are split by role into headers (the generated SASS is identical, by cuobjdump diff);",
+    "the CUDA planner probes a warp's colliding membership entries with all its lanes together (measured in the "
+    "engine-shape section);",
+    "the CUDA kernel's epilogue writes zeros for an empty row instead of o * 0 (after the engine-shape run: not "
+    "measured; a select on 64 values a row, no change expected).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
 # What ran at the commits of the recorded files (a result file names its commit only); results of these commits
@@ -139,9 +143,10 @@ def _status(docs) -> list[str]:
     lines += [f"> - {c}" for c in UNMEASURED_CHANGES]
     lines += [
         ">",
-        "> The engine-shape run (current code) measured the kernel with a prebuilt plan at the old grid's time",
-        "> (3.39 / 2.11 ms at 16 / 8 heads, 64K context) and the CUDA planner 3-4x slower than before",
-        "> (0.78-0.91 ms; `docs/design-log.md`). Re-run the grid before quoting a grid number as the current code's.",
+        "> The engine-shape run (current code but the last item) measured the kernel with a prebuilt plan at the old",
+        "> grid's time (3.42 / 2.13 ms at 16 / 8 heads, 64K context; grid 3.40 / 2.13) and the CUDA planner at",
+        "> 0.26 / 0.28 ms (the old byte-table planner: 0.19 at a 64K context only; `docs/design-log.md`). Re-run",
+        "> the grid before quoting a grid number as the current code's.",
         "",
     ]
     return lines
