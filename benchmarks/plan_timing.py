@@ -45,7 +45,7 @@ def main(argv=None, prog=None) -> int:
                     help="cpu: the torch planner only, a smoke run (its times mean little)")
     ap.add_argument("--cuda-builds", default=None,
                     help="A/B builds of the CUDA planner instead of the backends: comma-separated -D settings, "
-                         "'base' for none (e.g. base,QUILT_PLAN_FILL=0); timed in "
+                         "'base' for none (e.g. base,NAME=1 for a variant behind a macro); timed in "
                          "alternating rounds in this process, each plan checked against the reference")
     ap.add_argument("--table-slots", default=None,
                     help="with --cuda-builds: comma-separated membership-table slots a list entry to A/B as well "

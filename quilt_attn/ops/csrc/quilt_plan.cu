@@ -60,15 +60,6 @@ struct PlanParams {
   X(group_valid) X(dropped) X(priv_idx) X(priv_n) X(stride_idx) X(s_q) X(s_kv) X(topk) X(n_groups) X(cap)     \
   X(tile) X(merge) X(iclip) X(split) X(log_flags) X(nslots) X(thr)
 
-// Measurement switches (default 1): QUILT_PLAN_FILL 0 leaves the tiles past a group's last unwritten, to time
-// their fill; QUILT_PLAN_TWO_RUNS 0 runs flat group-8 plans with 1024 threads of one run each.
-#ifndef QUILT_PLAN_FILL
-#define QUILT_PLAN_FILL 1
-#endif
-#ifndef QUILT_PLAN_TWO_RUNS
-#define QUILT_PLAN_TWO_RUNS 1
-#endif
-
 constexpr int kEpt = 16;          // list entries a thread
 constexpr int kMaxThreads = 1024;
 // An entry's reference once its row is in the table: the slot, kDup for a repeated (query, row), -1 invalid.
@@ -854,7 +845,7 @@ __device__ __forceinline__ void write_tiles(const PlanParams& p, const PlanCta<G
   }
   // the tiles past the group's last: kv -1, mask 0 (the Plan's contract; the buffers come uninitialized,
   // which saves a fill of the whole worst-case allocation before the launch)
-  if (QUILT_PLAN_FILL) {
+  {
     const long long from = (gbase + n_tiles) * T, nfill = static_cast<long long>(p.cap - n_tiles) * T;
     if (T % 4 == 0) {  // 16-byte aligned: (gbase + tiles) * T ints
       int4* kz = reinterpret_cast<int4*>(p.tile_kv + from);
@@ -948,7 +939,7 @@ int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
   auto kernel = flat ? plan_kernel<G, G >= 2> : plan_kernel<G, false>;
   if constexpr (G == 8) {
     // a 1024-thread group: two runs a thread, 512 threads, no rows area (members stay whole warps)
-    if (QUILT_PLAN_TWO_RUNS && flat && (threads / G) % 64 == 0) {
+    if (flat && (threads / G) % 64 == 0) {
       kernel = plan_kernel<8, true, 2>;
       smem -= kEpt * 4 * (threads / 2);
       threads /= 2;
