@@ -29,6 +29,7 @@ DEFAULTS = dict(
     plan_beside=RESULTS / "h200_plan_reserved_sms_v11.json",
     clip=RESULTS / "clip_accuracy_cpu.json",
     engine=RESULTS / "h200_engine_shapes.json",  # used when present
+    fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
 )
 
 # Changes in the tree since the recorded files were measured. Empty this list once every file above has been
@@ -517,8 +518,43 @@ def _plot(rows, png, gpu) -> None:
     plt.close(fig)
 
 
+def _fp8_mode(doc, path, root) -> list[str]:
+    """The FP8 tensor-core mode's accuracy, from the CPU emulation of its arithmetic (no kernel of it yet)."""
+    if doc is None:
+        return []
+    b = doc["bounds"]
+    lines = ["## FP8 tensor-core mode: accuracy of its arithmetic (CPU emulation, no kernel yet)", "",
+             f"`quilt_attn.fp8_mode.sparse_prefill_fp8_reference` against the exact float64 reference "
+             f"({_header_lines(doc, path, root)}; `benchmarks/fp8_accuracy.py`, `docs/fp8-mode.md`): s_q "
+             f"{doc['args']['s_q']} at the end of a {doc['args']['s_kv']}-row context, h {doc['args']['heads']}, "
+             "each workload with Gaussian q / kv and with outlier channels, the cache's own e4m3 values and scales, "
+             "P quantized with a scale per (query-head row, 64 list entries). Worst case over the workloads "
+             f"({', '.join(doc['args']['workloads'])}); `aligned`: q and kv whose logits follow the glm53-like indexer score (~10-20 effective rows a query); `dsa-layer`: "
+             "through the DSA layer proxy's output; bounds rel-L2 <= {b['rel_l2']}, "
+             f"|d lse| <= {b['max_dlse']}.", "",
+             "| q quantized | stats | rel-L2 of out | max abs d lse | min cosine | meets bounds |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    worst = {}
+    for r in doc["rows"]:
+        if r.get("p_granularity") != "row_block" or r.get("acc_mantissa_bits") is not None:
+            continue
+        w = worst.setdefault((r["q_granularity"], r["stats"]), {"rel_l2": 0.0, "max_dlse": 0.0, "min_cos": 1.0,
+                                                                 "ok": True})
+        w["rel_l2"] = max(w["rel_l2"], r["rel_l2"])
+        w["max_dlse"] = max(w["max_dlse"], r["max_dlse"])
+        w["min_cos"] = min(w["min_cos"], r["min_cos"])
+        w["ok"] = w["ok"] and bool(r["meets_bounds"])
+    for (qg, st), w in worst.items():
+        lines.append(f"| {qg} | {st} | {w['rel_l2']:.4f} | {w['max_dlse']:.4f} | {w['min_cos']:.5f} | "
+                     f"{'yes' if w['ok'] else '**no**'} |")
+    lines += ["", "`bf16`: q left in bf16 (the kv and P quantization alone). One scale per (token, head) fails the "
+              "lse bound once channels carry outliers; the two-term q (q ~= e1 * s1 + e2 * s2, two e4m3 "
+              "terms, two FP8 QK products) meets every bound. The kernel of this mode is not built (issue 19).", ""]
+    return lines
+
+
 def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, plan_beside=None, clip=None,
-                        engine=None, target=None, root=None, png=None, plot=True) -> Path:
+                        engine=None, fp8_mode=None, target=None, root=None, png=None, plot=True) -> Path:
     """Write BENCHMARKS.md from recorded result files.
 
     grid : the grid's JSON (``benchmarks/run.py grid``); its rows make the main table, the plot and the targets.
@@ -529,6 +565,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
         ``both_over_full_attn``).
     clip : the CPU importance-clipping study (``quilt-bench report``).
     engine : the engine-shape run (``benchmarks/run.py engine-shapes``); a missing file says it has not run.
+    fp8_mode : the FP8 mode's accuracy emulation (``benchmarks/fp8_accuracy.py``); missing: no section.
     target : the markdown file (default ``<root>/BENCHMARKS.md``); text below ``MARKER`` in it is kept.
     root : paths in the text are relative to it (default: the repository root).
     png : the plot (default: ``grid`` with a ``.png`` suffix); ``plot=False`` leaves it alone.
@@ -540,7 +577,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     rows = [r for r in gdoc["rows"] if "ms" in r]
     rep_docs = [d for d in (_load(p) for p in repeats) if d]
     fm_docs = [d for d in (_load(p) for p in flashmla) if d]
-    ov, bs, cl, en = _load(plan_overlap), _load(plan_beside), _load(clip), _load(engine)
+    ov, bs, cl, en, f8 = _load(plan_overlap), _load(plan_beside), _load(clip), _load(engine), _load(fp8_mode)
     png = Path(png) if png is not None else grid.with_suffix(".png")
     if plot:
         _plot(rows, png, gdoc.get("gpu"))
@@ -564,6 +601,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
         *_planning(rows + [r for d in rep_docs for r in d["rows"] if "ms" in r], ov, bs, root,
                    (plan_overlap, plan_beside)),
         *_engine(en, engine, root),
+        *_fp8_mode(f8, fp8_mode, root),
         *_targets(rows, [[r for r in d["rows"] if "ms" in r] for d in rep_docs], fm_docs, ov, bs, cl),
         "Not reached: the goals at 8 / 16 / 32 heads. A kv half's refill latency is the largest exposed wait "
         "(q and two 72 KB tile buffers fill shared memory, so there is no deeper ring), each program boundary "
@@ -589,13 +627,15 @@ def main(argv=None) -> None:
     p.add_argument("--plan-beside", default=str(DEFAULTS["plan_beside"]))
     p.add_argument("--clip", default=str(DEFAULTS["clip"]))
     p.add_argument("--engine", default=str(DEFAULTS["engine"]))
+    p.add_argument("--fp8-mode", default=str(DEFAULTS["fp8_mode"]))
     p.add_argument("--out", default=None, help="default: BENCHMARKS.md at the repository root")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     path = write_benchmarks_md(
         a.grid, repeats=a.repeat if a.repeat is not None else DEFAULTS["repeats"],
         flashmla=a.flashmla if a.flashmla is not None else DEFAULTS["flashmla"], plan_overlap=a.plan_overlap,
-        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, target=a.out, plot=not a.no_plot)
+        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, fp8_mode=a.fp8_mode, target=a.out,
+        plot=not a.no_plot)
     print(path)
 
 
