@@ -18,6 +18,7 @@ CASES = {
     "engine-shapes": ("engine_shapes", "the call as engines make it: paged slot ids, varlen, chunked prefill"),
     "flashmla": ("flashmla_baseline", "FlashMLA's sm90 sparse prefill beside the CUDA kernel, interleaved"),
     "plan-timing": ("plan_timing", "planner time by backend and mask method (--device cpu: a smoke run)"),
+    "fp8-cache": ("fp8_cache", "the FP8 cache on the CUDA backend: expanded once a call vs widened in the kernel"),
     "ab-cuda": ("ab_cuda", "CUDA kernel variants (libraries, CTA counts, program orders, groups), interleaved"),
     "cp-split": ("cp_split", "context-parallel query splits: zigzag vs round-robin (--cpu: tile counts only)"),
     "sanitize-cuda": ("sanitize_cuda", "a small CUDA-kernel run for compute-sanitizer"),

@@ -197,9 +197,12 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
 
 def kernel_kv(q: torch.Tensor, kv: torch.Tensor, backend: str, topk: int, fp8_expand: bool | None) -> torch.Tensor:
     """kv as ``backend``'s kernel reads it: an FP8 cache expanded to q's dtype once per call for the CUDA
-    kernel (which reads dense rows only; prefill reads each row many times), and for Triton when
-    ``fp8_expand`` (None: when the call gathers at least ``s_kv`` rows), else as given (dequantized on load)."""
+    kernel (prefill reads each row many times), unless ``cuda_backend.FP8_IN_KERNEL`` has it widened in the
+    kernel (bf16 q); for Triton expanded when ``fp8_expand`` (None: when the call gathers at least ``s_kv``
+    rows), else as given (dequantized on load)."""
     if kv.dtype != torch.uint8:
+        return kv
+    if backend == "cuda" and cuda_backend.FP8_IN_KERNEL and q.dtype == torch.bfloat16 and fp8_expand is not True:
         return kv
     from .ops.fp8_expand import expand_fp8, expansion_pays_off  # a Triton kernel module: imported when first used
 

@@ -86,6 +86,34 @@ def test_given_plan_at_64_heads_runs_query_programs(cuda_stand_in, fallback, icl
         assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, d_v=64), torch.float16)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("in_kernel,dtype,reaches", [(False, BF16, "expanded"), (True, BF16, "cache"),
+                                                     (True, torch.float16, "expanded")])
+def test_fp8_cache_reaches_the_cuda_kernel_as_the_knob_says(cuda_stand_in, monkeypatch, in_kernel, dtype, reaches):
+    """``cuda_backend.FP8_IN_KERNEL`` hands the CUDA kernel the FP8 cache itself (bf16 q: widened in the
+    kernel), else the cache expanded to q's dtype once per call; fp16 q is always expanded."""
+    from quilt_attn import quantize_fp8
+
+    monkeypatch.setattr(cuda_backend, "FP8_IN_KERNEL", in_kernel)
+    seen = []  # (the stand-in's routing to "cuda", its kernel replaced by a recorder of what kv reaches it)
+    monkeypatch.setattr(cuda_backend, "launch", lambda q, kv, *a, **k: seen.append(kv.dtype))
+    q = randn(8, 2, 576, seed=90, dtype=dtype, device=KERNEL_DEVICE)
+    cache = quantize_fp8(randn(64, 576, seed=91, dtype=BF16, device=KERNEL_DEVICE))
+    idx = random_indices(8, 64, 16, seed=92, device=KERNEL_DEVICE)
+    sparse_prefill(q, cache, idx, d_v=512, method="query_parallel", backend="cuda")
+    assert seen == [torch.uint8 if reaches == "cache" else dtype]
+
+
+def test_cuda_scope_of_the_fp8_cache():
+    """The kernel reads the FP8 cache ``uint8 [s_kv, 656]`` with bf16 q; anything else is named."""
+    q = torch.empty(4, 2, 576, dtype=BF16)
+    assert cuda_backend.unsupported_reason(q, torch.empty(8, 656, dtype=torch.uint8), 512) is None
+    for qd, kv in ((torch.float16, torch.empty(8, 656, dtype=torch.uint8)), (BF16, torch.empty(8, 655, dtype=torch.uint8)),
+                   (BF16, torch.empty(8, 2, 656, dtype=torch.uint8))):
+        reason = cuda_backend.unsupported_reason(q.to(qd), kv, 512)
+        assert reason is not None and "FP8 cache" in reason
+
+
 needs_nvcc = pytest.mark.skipif(cuda_backend.find_nvcc() is None, reason="needs nvcc (a compile-only check)")
 
 
@@ -289,6 +317,62 @@ def test_cuda_auto_picks_cuda_and_strided_q(nan_poison):
     wide[:, :, :576] = q
     got = sparse_prefill(wide[:, :, :576], kv, idx, backend="cuda")
     assert_matches_reference(got, sparse_prefill_reference(q, kv, idx), BF16, what="strided q")
+
+
+@gpu
+@on_hopper
+@pytest.mark.parametrize("h", [8, 16, 64, 128])
+@pytest.mark.parametrize("method", ["quilt", "query_parallel"])
+def test_cuda_fp8_cache_widened_in_kernel_equals_expanded(h, method, monkeypatch, nan_poison):
+    """FP8 cache rows widened in the kernel give the expanded cache's result bit for bit (the same bf16
+    values: e4m3 x scale rounds once either way), with invalid entries, a short list, an empty query,
+    topk_length and attn_sink; and the call allocates no copy of the cache (1152 bytes a row)."""
+    from quilt_attn import quantize_fp8
+
+    s_q, s_kv, topk = 192, 8192, 2048
+    q, kv, idx = _inputs(h, s_q=s_q, s_kv=s_kv, topk=topk)
+    cache = quantize_fp8(kv)
+    idx[5, :300] = -1
+    idx[6, 7] = s_kv + 5
+    idx[9] = -1
+    lengths = torch.randint(0, topk + 50, (s_q,), device="cuda", dtype=torch.int32,
+                            generator=torch.Generator(device="cuda").manual_seed(4))
+    sink = torch.linspace(-2, 3, h, device="cuda")
+    kw = dict(method=method, backend="cuda", topk_length=lengths, attn_sink=sink)
+    want = sparse_prefill(q, cache, idx, **kw)
+    monkeypatch.setattr(cuda_backend, "FP8_IN_KERNEL", True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = sparse_prefill(q, cache, idx, **kw)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - s_q * h * (512 * 2 + 8)
+    for a, b, name in zip(got, want, ("out", "max_logits", "lse")):
+        assert torch.equal(a, b), f"{method} h={h}: {name} differs from the expanded cache's"
+    assert_matches_reference(got, sparse_prefill_reference(q, cache, idx, topk_length=lengths, attn_sink=sink),
+                             BF16, what=f"fp8 in-kernel {method} h={h}")
+    assert extra < s_kv * 1152 // 2, f"the call allocated {extra} bytes: an expanded copy?"
+
+
+@gpu
+@on_hopper
+def test_cuda_fp8_cache_widened_in_kernel_split_plan_and_pool(monkeypatch, nan_poison):
+    """A split-private plan (shared tiles widened in the CUDA kernel, private rows dequantized on load by
+    Triton) and slot ids into a pool of 2^22 FP8 rows (2.6 GB; its expansion would be 4.6 GB)."""
+    from quilt_attn import quantize_fp8
+
+    monkeypatch.setattr(cuda_backend, "FP8_IN_KERNEL", True)
+    q, kv, idx = _inputs(16, s_q=128)
+    cache = quantize_fp8(kv)
+    p = make_plan(idx, s_kv=kv.shape[0], merge_level=4, split_private=True)
+    got = sparse_prefill(q, cache, idx, plan=p, backend="cuda")
+    assert_matches_reference(got, sparse_prefill_reference(q, cache, idx), BF16, what="fp8 split plan")
+    pool = torch.zeros(1 << 22, 656, dtype=torch.uint8, device="cuda")
+    slots = torch.randperm(1 << 22, device="cuda")[:kv.shape[0]]
+    pool[slots] = cache
+    gidx = torch.where(idx >= 0, slots[idx.clamp_min(0).long()].to(torch.int32), idx)
+    got = sparse_prefill(q, pool, gidx, backend="cuda")
+    assert_matches_reference(got, sparse_prefill_reference(q, cache, idx), BF16, what="fp8 pool of 4M rows")
 
 
 @gpu

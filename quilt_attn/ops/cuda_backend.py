@@ -177,11 +177,23 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+# FP8 cache rows widened to bf16 inside the kernel, on their way into shared memory (True), instead of the whole
+# cache expanded to bf16 once a call before the kernel runs (False). A measurement knob until the device has
+# timed the in-kernel path (benchmarks/fp8_cache.py); dispatch.kernel_kv reads it.
+FP8_IN_KERNEL = False
+FP8_ROW_BYTES = 656
+
+
 def unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None) -> str | None:
-    """Why these (checked) inputs are outside the CUDA kernel's scope (None when inside)."""
+    """Why these (checked) inputs are outside the CUDA kernel's scope (None when inside): a dense kv of q's
+    dtype, or (bf16 q) the FP8 cache ``uint8 [s_kv, 656]`` read in the kernel."""
     if q.shape[2] != D_QK or d_v != D_V:
         return f"the CUDA backend runs d_qk = {D_QK}, d_v = {D_V}; got d_qk = {q.shape[2]}, d_v = {d_v}"
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
+    if kv.dtype == torch.uint8:
+        if q.dtype != torch.bfloat16 or kv.dim() != 2 or kv.shape[1] != FP8_ROW_BYTES:
+            return (f"the CUDA kernel reads an FP8 cache uint8 [s_kv, {FP8_ROW_BYTES}] with bf16 q; got "
+                    f"{q.dtype} q and kv {tuple(kv.shape)}")
+    elif q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
         return f"the CUDA backend needs bf16 / fp16 q and a dense kv of the same dtype; got {q.dtype}, {kv.dtype}"
     if plan is not None and plan.tile != TILE:
         return f"the CUDA backend runs plans with tile = {TILE}, got {plan.tile}"
@@ -289,6 +301,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
 
     ``q [s_q, h, 576]``, ``kv [s_kv, 576]`` (q's dtype, unit stride in the last dimension),
     ``out [s_q, h, 512]`` (q's dtype, or float32 with ``partial``), ``max_logits, lse [s_q, h]`` float32.
+    kv may also be the FP8 cache ``uint8 [s_kv, 656]`` (bf16 q): its rows are widened in the kernel.
     ``_skip`` (measurement only, results invalid): 1 skips the kv gather, 2 the matrix products.
     The grid is persistent: a CTA an SM, each taking work items (programs x head blocks, longest
     programs first) from a counter as it finishes the last; ``_ctas`` (measurement only) sets the CTA
@@ -335,7 +348,10 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     prm.work_counter = counter.data_ptr()
     lib = _library()
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    dtype = 0 if q.dtype == torch.bfloat16 else 1
+    reason = unsupported_reason(q, kv, D_V)
+    if reason:
+        raise ValueError(reason)
+    dtype = 2 if kv.dtype == torch.uint8 else 0 if q.dtype == torch.bfloat16 else 1
     err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype, int(partial), ctas, ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA backend launch failed: {lib.quilt_sm90_error_string(err).decode()}")

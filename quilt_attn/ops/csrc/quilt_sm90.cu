@@ -60,7 +60,7 @@
 namespace quilt_sm90 {
 using namespace quilt_ptx;
 
-template <typename T, typename OutT, bool kMma>
+template <typename T, typename OutT, bool kMma, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x;
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
 
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n");
-    produce<T>(p, smem, bars);
+    produce<T, kFp8>(p, smem, bars);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
@@ -94,9 +94,9 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
   }
 }
 
-template <typename T, typename OutT, bool kMma = true>
+template <typename T, typename OutT, bool kMma = true, bool kFp8 = false>
 int launch(const Params& p, int ctas, cudaStream_t stream) {
-  auto kernel = quilt_sm90_kernel<T, OutT, kMma>;
+  auto kernel = quilt_sm90_kernel<T, OutT, kMma, kFp8>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);
   err = cudaMemsetAsync(p.work_counter, 0, sizeof(int), stream);
@@ -121,7 +121,8 @@ constexpr char kTimelineSlots[] = QUILT_TIMELINE_SLOTS(QUILT_TL_NAME);
 
 extern "C" {
 
-// dtype: 0 bf16, 1 fp16; partial: write float32 normalized out (a later pass continues it), no sink;
+// dtype: 0 bf16, 1 fp16, 2 bf16 q with kv the FP8 cache (uint8 rows of 656 bytes, stride_kv in bytes, widened
+// in the kernel); partial: write float32 normalized out (a later pass continues it), no sink;
 // ctas: persistent CTAs (one an SM; p->n_work of them run one work item each)
 int quilt_sm90_launch(const quilt_sm90::Params* p, int dtype, int partial, int ctas, void* stream) {
   using namespace quilt_sm90;
@@ -130,6 +131,8 @@ int quilt_sm90_launch(const quilt_sm90::Params* p, int dtype, int partial, int c
     if (dtype != 0 || partial) return static_cast<int>(cudaErrorInvalidValue);
     return launch<__nv_bfloat16, __nv_bfloat16, false>(*p, ctas, s);
   }
+  if (dtype == 2) return partial ? launch<__nv_bfloat16, float, true, true>(*p, ctas, s)
+                                 : launch<__nv_bfloat16, __nv_bfloat16, true, true>(*p, ctas, s);
   if (dtype == 0) return partial ? launch<__nv_bfloat16, float>(*p, ctas, s)
                                  : launch<__nv_bfloat16, __nv_bfloat16>(*p, ctas, s);
   return partial ? launch<__half, float>(*p, ctas, s) : launch<__half, __half>(*p, ctas, s);

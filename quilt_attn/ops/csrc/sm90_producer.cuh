@@ -1,5 +1,9 @@
 // The sm_90a kernel's producer warpgroup: kv rows and q gathered into shared memory with cp.async.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include "ptx.cuh"
 #include "sm90_config.cuh"
 #include "sm90_measure.cuh"
@@ -65,6 +69,49 @@ __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, i
   }
 }
 
+// The DeepSeek FP8 cache row (656 bytes): 512 e4m3 latent values, 4 float32 scales (one per 128 values), 64 bf16
+// rope values. kFp8 kernels read these rows and widen them on the way into shared memory, bf16 tiles as the
+// dense path's: no expanded copy of the pool.
+constexpr int kFp8RowBytes = 656;
+constexpr int kFp8ScaleAt = 512;
+constexpr int kFp8RopeAt = 528;
+
+// 8 e4m3 values (a 16-byte unit of the widened chunk) times their scale, as 4 bf16 pairs: e4m3 -> half is
+// exact, the product rounds once to bf16, as kv_cache.dequantize_fp8 (float32 product, then bf16)
+__device__ __forceinline__ uint32_t widen2(uint32_t two_bytes, float s) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes), __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  __nv_bfloat162 v = __floats2bfloat162_rn(f.x * s, f.y * s);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// One half of a kv buffer from FP8 cache rows: the latent chunks c0 .. c0 + 3 loaded to registers (8 bytes a
+// unit), widened and stored (st.shared; the caller fences them for wgmma), and in half 1 the rope chunk by
+// cp.async, as the dense path copies it. Invalid rows widen zeros (their loads are skipped).
+__device__ __forceinline__ void fill_fp8(const Params& p, uint32_t dst, const int (&row)[4], const bool (&ok)[4],
+                                         int g, int unit, int half) {
+  const uint8_t* cache = static_cast<const uint8_t*>(p.kv);
+  const int c0 = half ? 4 : 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // (row by row: all four rows' loads at once spill the producer's 72 registers)
+    const uint8_t* base = cache + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0);
+    uint2 raw[4];
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      raw[cc] = ok[j] ? __ldg(reinterpret_cast<const uint2*>(base + (c0 + cc) * 64 + unit * 8)) : make_uint2(0u, 0u);
+    }
+    const float2 sc = ok[j] ? __ldg(reinterpret_cast<const float2*>(base + kFp8ScaleAt + 4 * (c0 / 2)))
+                            : make_float2(0.f, 0.f);
+    if (half) cp_async16(dst + (kChunks - 1) * kChunkBytes + swz(g + 16 * j, unit), base + kFp8RopeAt + unit * 16, ok[j]);
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      const float s = cc < 2 ? sc.x : sc.y;  // chunks 2k, 2k + 1 share scale k
+      st_shared_v4(dst + (c0 + cc) * kChunkBytes + swz(g + 16 * j, unit), widen2(raw[cc].x & 0xFFFFu, s),
+                   widen2(raw[cc].x >> 16, s), widen2(raw[cc].y & 0xFFFFu, s), widen2(raw[cc].y >> 16, s));
+    }
+  }
+}
+
 // Program k of this CTA (work item w: program pr, head block hblock): q rows -> shared memory (zero
 // rows for padding) once the previous program's QKs are done with it, then the work item
 // for the consumers; q_ready completes when both have landed. w >= n_work tells the consumers to stop.
@@ -107,7 +154,7 @@ __device__ __forceinline__ void hand_over(const Params& p, int w, const Program&
 
 // The producer runs ahead of the consumers across programs: the next program's first kv block is
 // gathered while the consumers finish the current one, and its q as soon as their last QK is done.
-template <typename T>
+template <typename T, bool kFp8>
 __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   const int t = threadIdx.x - 256, unit = t % 8, g = t / 8;
   const T* kv = static_cast<const T*>(p.kv);
@@ -131,12 +178,16 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
     const int c0 = half ? 4 : 0, c1 = half ? kChunks : 4;
     if (!(p.skip & kSkipGather)) {
       const uint32_t dst = smem_u32(smem + kSmemKV + buf * kTileBytes);
+      if constexpr (kFp8) {
+        fill_fp8(p, dst, row, ok, g, unit, half);
+      } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = g + 16 * j;
-        const T* src = kv + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0) + unit * 8;
+        for (int j = 0; j < 4; ++j) {
+          const int r = g + 16 * j;
+          const T* src = kv + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0) + unit * 8;
 #pragma unroll
-        for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
+          for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
+        }
       }
     }
 #ifdef QUILT_SANITIZER_SYNC
@@ -146,8 +197,18 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
     mbar_arrive(bars.ready(buf, half));
     mbar_arrive(bars.ready(buf, half));
 #else
-    mbar_arrive(bars.ready(buf, half));
-    mbar_arrive_copies(bars.ready(buf, half));
+    if constexpr (kFp8) {
+      fence_async_smem();  // the widened rows (st.shared) -> wgmma's async-proxy reads
+      mbar_arrive(bars.ready(buf, half));
+      if (half) {
+        mbar_arrive_copies(bars.ready(buf, half));  // the rope chunk's cp.async
+      } else {
+        mbar_arrive(bars.ready(buf, half));
+      }
+    } else {
+      mbar_arrive(bars.ready(buf, half));
+      mbar_arrive_copies(bars.ready(buf, half));
+    }
 #endif
   };
   int gb = 0;  // kv blocks of the CTA's earlier programs: the ready / free barriers' phase
