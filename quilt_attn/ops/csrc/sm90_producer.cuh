@@ -76,8 +76,9 @@ constexpr int kFp8RowBytes = 656;
 constexpr int kFp8ScaleAt = 512;
 constexpr int kFp8RopeAt = 528;
 
-// 8 e4m3 values (a 16-byte unit of the widened chunk) times their scale, as 4 bf16 pairs: e4m3 -> half is
-// exact, the product rounds once to bf16, as kv_cache.dequantize_fp8 (float32 product, then bf16)
+// 2 e4m3 values times their scale as a bf16 pair (4 of them make a 16-byte unit of the widened chunk): e4m3 ->
+// half is exact, and the float32 product rounds to bf16 as kv_cache.dequantize_fp8's (except products below
+// 2^-126, which the library's fast-math build flushes to zero)
 __device__ __forceinline__ uint32_t widen2(uint32_t two_bytes, float s) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes), __NV_E4M3);
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
