@@ -94,7 +94,7 @@ __device__ __forceinline__ void fill_fp8(const Params& p, uint32_t dst, const in
   const uint8_t* cache = static_cast<const uint8_t*>(p.kv);
   const int c0 = half ? 4 : 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {  // (row by row: all four rows' loads at once spill the producer's 72 registers)
+  for (int j = 0; j < 4; ++j) {  // (row by row: four rows' loads in flight need ~40 of the producer's 72 registers)
     const uint8_t* base = cache + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0);
     uint2 raw[4];
 #pragma unroll
