@@ -102,6 +102,20 @@ def extra_mib(fn, out_bytes: int) -> float:
     return (peak - base - out_bytes) / 2**20
 
 
+def time_alternating(variants: dict, rounds: int, warmup: int, rep: int) -> dict:
+    """``bench.interleaved_rounds`` of ``variants`` (name -> fn(set index)), each call on the other of two input
+    sets than the call before (so that none finds the last one's indices or rows in L2): name -> round times."""
+    state = {"i": 0}
+
+    def rotate(fn):
+        def step():
+            state["i"] ^= 1
+            return fn(state["i"])
+        return step
+
+    return bench.interleaved_rounds({n: rotate(f) for n, f in variants.items()}, rounds, warmup=warmup, rep=rep)
+
+
 def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, warmup: int, rep: int) -> list[dict]:
     dev = torch.device("cuda")
     s_q, h_run = sum(shape.s_q), max(64, h)
@@ -161,15 +175,7 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
     plan_ms = bench.time_ms(lambda: quilt_attn.plan(sets[0][2], s_kv=shape.pool, **pkw),
                             warmup=warmup, rep=rep) if pkw else 0.0
 
-    state = {"i": 0}
-
-    def rotate(fn):
-        def step():
-            state["i"] ^= 1
-            return fn(state["i"])
-        return step
-
-    times = bench.interleaved_rounds({n: rotate(f) for n, f in variants.items()}, rounds, warmup=warmup, rep=rep)
+    times = time_alternating(variants, rounds, warmup, rep)
     out_rows = []
     for name, r in result.items():
         r["rounds_ms"] = times[name]

@@ -24,7 +24,7 @@ import sys
 import torch
 
 import quilt_attn
-from engine_shapes import SHAPES, check, extra_mib, paged_indices
+from engine_shapes import SHAPES, check, extra_mib, paged_indices, time_alternating
 from quilt_attn import dispatch
 from quilt_attn.kv_cache import dequantize_fp8, quantize_fp8
 from quilt_attn.ops import cuda_backend
@@ -87,15 +87,7 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
     out_bytes = s_q * h * (D_V * 2 + 8)
     for name in ("expand-call", "widen-call"):
         result[name]["extra_mib"] = extra_mib(lambda n=name: variants[n](0), out_bytes)
-    state = {"i": 0}
-
-    def rotate(fn):
-        def step():
-            state["i"] ^= 1
-            return fn(state["i"])
-        return step
-
-    times = bench.interleaved_rounds({n: rotate(f) for n, f in variants.items()}, rounds, warmup=warmup, rep=rep)
+    times = time_alternating(variants, rounds, warmup, rep)
     for name, r in result.items():
         r["rounds_ms"] = times[name]
         r["ms"] = statistics.median(times[name])
