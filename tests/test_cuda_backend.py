@@ -325,13 +325,14 @@ def test_cuda_auto_picks_cuda_and_strided_q(nan_poison):
 @pytest.mark.parametrize("method", ["quilt", "query_parallel"])
 def test_cuda_fp8_cache_widened_in_kernel_equals_expanded(h, method, monkeypatch, nan_poison):
     """FP8 cache rows widened in the kernel give the expanded cache's result bit for bit (the same bf16
-    values: e4m3 x scale rounds once either way), with invalid entries, a short list, an empty query,
+    values: e4m3 x scale rounds once either way, scales not powers of two), with invalid entries, a short list, an empty query,
     topk_length and attn_sink; and the call allocates no copy of the cache (1152 bytes a row)."""
     from quilt_attn import quantize_fp8
 
     s_q, s_kv, topk = 192, 8192, 2048
     q, kv, idx = _inputs(h, s_q=s_q, s_kv=s_kv, topk=topk)
     cache = quantize_fp8(kv)
+    cache[:, 512:528].view(torch.float32).mul_(1.37)  # scales that are not powers of two, as an engine's (amax / 448)
     idx[5, :300] = -1
     idx[6, 7] = s_kv + 5
     idx[9] = -1
