@@ -6,8 +6,9 @@
 // prefix sum. The group's membership table is an open-addressing hash table in shared memory keyed by
 // kv row (1.5 slots an entry, so its size depends on the group's entries, never on s_kv: any slot id of
 // a paged pool plans alike). Each entry finds its row's slot once (a CAS at its home slot; the warp's
-// collisions are then probed by all its lanes together) and from then on carries the slot, so every later lookup is one byte load of the slot's member bits; the row
-// itself is read back from the slot's key when the tiles are written. The rows that tile-aware clipping
+// collisions are then probed by all its lanes together) and from then on carries the slot, so every
+// later lookup is one byte load of the slot's member bits; the row itself is read back from the slot's
+// key when the tiles are written. The rows that tile-aware clipping
 // pushes down (at most tile - 1 a block and level) go to a small hash set with one flag bit a (level,
 // block), except at the merge level: a row pushed from there makes a column of the block's
 // representative only.

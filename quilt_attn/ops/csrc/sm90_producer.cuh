@@ -103,7 +103,9 @@ __device__ __forceinline__ void fill_fp8(const Params& p, uint32_t dst, const in
     }
     const float2 sc = ok[j] ? __ldg(reinterpret_cast<const float2*>(base + kFp8ScaleAt + 4 * (c0 / 2)))
                             : make_float2(0.f, 0.f);
-    if (half) cp_async16(dst + (kChunks - 1) * kChunkBytes + swz(g + 16 * j, unit), base + kFp8RopeAt + unit * 16, ok[j]);
+    if (half) {
+      cp_async16(dst + (kChunks - 1) * kChunkBytes + swz(g + 16 * j, unit), base + kFp8RopeAt + unit * 16, ok[j]);
+    }
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {
       const float s = cc < 2 ? sc.x : sc.y;  // chunks 2k, 2k + 1 share scale k
