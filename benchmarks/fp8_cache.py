@@ -56,11 +56,11 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
         cuda_backend.launch(q, kv, sm_scale, k_out, k_ml, k_lse, **work)
 
     def call(q, cache, idx, in_kernel: bool):
-        cuda_backend.FP8_IN_KERNEL = in_kernel
+        prev, cuda_backend.FP8_IN_KERNEL = cuda_backend.FP8_IN_KERNEL, in_kernel
         try:
             return quilt_attn.sparse_prefill(q, cache, idx, sm_scale)
         finally:
-            cuda_backend.FP8_IN_KERNEL = False
+            cuda_backend.FP8_IN_KERNEL = prev
 
     variants = {
         "bf16-kernel": lambda i: kernel(sets[i][0], sets[i][2], sets[i][3], plans[i]),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..kv_cache import FP8_BYTES
 from ..reference import LOG2E
 from .shapes import program_shape
 
@@ -181,7 +182,6 @@ def unavailable_reason(device: torch.device) -> str | None:
 # cache expanded to bf16 once a call before the kernel runs (False). A measurement knob until the device has
 # timed the in-kernel path (benchmarks/fp8_cache.py); dispatch.kernel_kv reads it.
 FP8_IN_KERNEL = False
-FP8_ROW_BYTES = 656
 
 
 def unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None) -> str | None:
@@ -190,8 +190,8 @@ def unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, plan=None) -
     if q.shape[2] != D_QK or d_v != D_V:
         return f"the CUDA backend runs d_qk = {D_QK}, d_v = {D_V}; got d_qk = {q.shape[2]}, d_v = {d_v}"
     if kv.dtype == torch.uint8:
-        if q.dtype != torch.bfloat16 or kv.dim() != 2 or kv.shape[1] != FP8_ROW_BYTES:
-            return (f"the CUDA kernel reads an FP8 cache uint8 [s_kv, {FP8_ROW_BYTES}] with bf16 q; got "
+        if q.dtype != torch.bfloat16 or kv.dim() != 2 or kv.shape[1] != FP8_BYTES:
+            return (f"the CUDA kernel reads an FP8 cache uint8 [s_kv, {FP8_BYTES}] with bf16 q; got "
                     f"{q.dtype} q and kv {tuple(kv.shape)}")
     elif q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
         return f"the CUDA backend needs bf16 / fp16 q and a dense kv of the same dtype; got {q.dtype}, {kv.dtype}"

@@ -75,6 +75,9 @@ __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, i
 constexpr int kFp8RowBytes = 656;
 constexpr int kFp8ScaleAt = 512;
 constexpr int kFp8RopeAt = 528;
+static_assert(kFp8ScaleAt == kDqk - 64 && kFp8RopeAt == kFp8ScaleAt + 4 * 4 &&
+                  kFp8RowBytes == kFp8RopeAt + 64 * 2 && kFp8RopeAt % 16 == 0 && kFp8RowBytes % 16 == 0,
+              "FP8 cache row: e4m3 latent, 4 float32 scales, 64 bf16 rope values, 16-byte aligned rope and rows");
 
 // 2 e4m3 values times their scale as a bf16 pair (4 of them make a 16-byte unit of the widened chunk): e4m3 ->
 // half is exact, and the float32 product rounds to bf16 as kv_cache.dequantize_fp8's (except products below
