@@ -5,7 +5,7 @@
 
 Launches only the sm_90a kernel (plan built by the torch planner on the CPU, so no Triton kernel
 runs under the sanitizer): QUILT with a plan at h=16 and h=3, query-parallel with invalid indices
-and topk_length at h=64, fp16 partial output; checks each against the float64 reference (exit 1 above a
+and topk_length at h=64, fp16 partial output, the FP8 cache widened in the kernel (QUILT and query-parallel); checks each against the float64 reference (exit 1 above a
 relative L2 error of 1e-2). ``--out``: the rows as JSON (with GPU, commit, versions).
 
 ``--strict-sync`` runs the kernel built with QUILT_SANITIZER_SYNC: hand-offs racecheck can model
@@ -22,14 +22,15 @@ import torch
 
 from quilt_attn import plan as make_plan
 from quilt_attn import sparse_prefill_reference
+from quilt_attn.kv_cache import dequantize_fp8, quantize_fp8
 from quilt_attn.ops import cuda_backend
 from quilt_attn.ops.sparse_attention import program_shape
 from quilt_attn.workloads import generate
 
-# (heads, with a plan, dtype, persistent CTAs): None is one an SM, more than this run's work items; fewer make
-# each CTA run several programs, the hand-over between them included
+# (heads, with a plan, kv dtype, persistent CTAs): None is one an SM, more than this run's work items; fewer make
+# each CTA run several programs, the hand-over between them included; uint8 is the FP8 cache widened in the kernel
 CASES = [(16, True, torch.bfloat16, None), (3, True, torch.bfloat16, 2), (64, False, torch.bfloat16, 3),
-         (16, True, torch.float16, 1)]
+         (16, True, torch.float16, 1), (16, True, torch.uint8, 2), (64, False, torch.uint8, 3)]
 
 
 def main(argv=None, prog=None) -> int:
@@ -48,10 +49,13 @@ def main(argv=None, prog=None) -> int:
     idx_cpu[5, 7] = s_kv + 3
     idx = idx_cpu.cuda()
     kv = torch.randn(s_kv, 576, dtype=torch.bfloat16, device="cuda")
+    cache = quantize_fp8(kv)
     rows = []
-    for h, use_plan, dtype, ctas in CASES:
+    for h, use_plan, kv_dtype, ctas in CASES:
+        dtype = torch.bfloat16 if kv_dtype == torch.uint8 else kv_dtype
         q = torch.randn(s_q, h, 576, dtype=dtype, device="cuda")
-        kvd = kv.to(dtype)
+        kvd = cache if kv_dtype == torch.uint8 else kv.to(dtype)
+        dense = dequantize_fp8(cache).to(dtype) if kv_dtype == torch.uint8 else kvd
         out = torch.full((s_q, h, 512), float("nan"), dtype=dtype, device="cuda")
         ml = torch.full((s_q, h), float("nan"), device="cuda")
         lse = torch.full_like(ml, float("nan"))
@@ -66,13 +70,13 @@ def main(argv=None, prog=None) -> int:
             lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32, device="cuda")
             cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths, _ctas=ctas)
         torch.cuda.synchronize()
-        ro, _, rl = sparse_prefill_reference(q.cpu(), kvd.cpu(), idx_cpu, 576**-0.5, d_v=512,
+        ro, _, rl = sparse_prefill_reference(q.cpu(), dense.cpu(), idx_cpu, 576**-0.5, d_v=512,
                                              topk_length=None if lengths is None else lengths.cpu())
         err = float((out.cpu().double() - ro).norm() / ro.norm())
         nan = bool(out.isnan().any())
-        rows.append(dict(h=h, plan=use_plan, dtype=str(dtype), ctas=ctas, rel_err=err, nan=nan,
+        rows.append(dict(h=h, plan=use_plan, dtype=str(dtype), kv=str(kv_dtype), ctas=ctas, rel_err=err, nan=nan,
                          strict_sync=a.strict_sync))
-        print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} {str(dtype):<15} rel-L2 {err:.2e}  nan={nan}")
+        print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} kv {str(kv_dtype):<15} rel-L2 {err:.2e}  nan={nan}")
     return verdict(rows, a.out)
 
 
