@@ -34,7 +34,8 @@ from quilt_bench import bench
 D_QK, D_V = 576, 512
 
 
-def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int, rep: int) -> list[dict]:
+def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int, rep: int,
+              builds: dict | None = None) -> list[dict]:
     dev = torch.device("cuda")
     s_q = sum(shape.s_q)
     gen = torch.Generator(device=dev).manual_seed(7)
@@ -69,11 +70,23 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
         "expand-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], False),
         "widen-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], True),
     }
+
+    def with_library(path, fn):
+        def run(i):
+            cuda_backend.use_library(path)
+            try:
+                return fn(i)
+            finally:
+                cuda_backend.use_library(None)
+        return run
+
+    for bname, path in (builds or {}).items():  # other builds of the kernel library, the in-kernel widening A/B
+        variants[f"widen-kernel:{bname}"] = with_library(path, variants["widen-kernel"])
     base = dict(shape=shape.name, workload=workload, h=h, s_q=s_q, topk=topk, pool=shape.pool, kv="fp8")
     result, kernel_out = {}, {}
     q, cache, dense, idx = sets[0]
     for name, fn in variants.items():
-        if name.endswith("kernel"):
+        if "kernel" in name:
             k_out.fill_(float("nan"))
             fn(0)
             chk = check(k_out, k_ml, k_lse, q, dense, idx, rows, natural=False)
@@ -82,8 +95,9 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
             out, ml, lse = fn(0)
             chk = check(out, ml, lse, q, dense, idx, rows, natural=True)
         result[name] = dict(base, method=name, **chk)
-    result["widen-kernel"]["same_bits_as_bf16"] = bool(torch.equal(kernel_out["widen-kernel"],
-                                                                   kernel_out["bf16-kernel"]))
+    for name in kernel_out:
+        if name.startswith("widen-kernel"):
+            result[name]["same_bits_as_bf16"] = bool(torch.equal(kernel_out[name], kernel_out["bf16-kernel"]))
     out_bytes = s_q * h * (D_V * 2 + 8)
     for name in ("expand-call", "widen-call"):
         result[name]["extra_mib"] = extra_mib(lambda n=name: variants[n](0), out_bytes)
@@ -105,14 +119,17 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rep", type=int, default=50)
+    p.add_argument("--builds", default="", help="name=library,...: more builds' widen-kernel, timed beside")
     a = p.parse_args(argv)
+    builds = dict(spec.split("=", 1) for spec in a.builds.split(",") if spec)
     rows = []
     print("| case | h | bf16 kernel | expand + kernel | widen kernel | expand call | widen call | widen / bf16 | "
           "same bits | extra MiB expand / widen | rel_err widen |", flush=True)
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in a.cases.split(","):
         for h in (int(x) for x in a.heads.split(",")):
-            got = {r["method"]: r for r in run_shape(SHAPES[name], h, a.workload, a.topk, a.rounds, a.warmup, a.rep)}
+            got = {r["method"]: r for r in run_shape(SHAPES[name], h, a.workload, a.topk, a.rounds, a.warmup, a.rep,
+                                                     builds)}
             rows += got.values()
             w = got["widen-kernel"]
             print(f"| {name} | {h} | {got['bf16-kernel']['ms']:.3f} | {got['expand-kernel']['ms']:.3f} | "
@@ -120,6 +137,10 @@ def main(argv=None, prog=None) -> int:
                   f"{w['over_bf16_kernel']:.3f} | {w['same_bits_as_bf16']} | "
                   f"{got['expand-call']['extra_mib']:.0f} / {got['widen-call']['extra_mib']:.0f} | "
                   f"{w['rel_err']:.1e} |", flush=True)
+            for bname in builds:
+                r = got[f"widen-kernel:{bname}"]
+                print(f"|   build {bname} | {h} | | | {r['ms']:.3f} | | | {r['over_bf16_kernel']:.3f} | "
+                      f"{r['same_bits_as_bf16']} | | {r['rel_err']:.1e} |", flush=True)
             torch.cuda.empty_cache()
     bench.save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
     return 0

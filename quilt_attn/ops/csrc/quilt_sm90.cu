@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     }
     mbar_init(bars.q_ready(), 129);  // the copies of 128 producer threads, the work item
     mbar_init(bars.q_free(), 256);
+    for (int i = 0; i < 16; ++i) mbar_init(bars.landed(i / 8, i / 4 % 2, i % 4), 32);
     mbar_init_fence();
   }
   __syncthreads();
