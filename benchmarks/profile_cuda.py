@@ -1,4 +1,5 @@
-"""One CUDA-kernel launch to profile under Nsight Compute (glm53-like, bf16, s_kv 65536, topk 2048).
+"""One CUDA-kernel launch to profile under Nsight Compute (glm53-like, bf16, s_kv 65536, topk 2048; --fp8: the
+FP8 cache widened in the kernel).
 
     ncu --set full --import-source no -k regex:quilt_sm90 -c 1 -o prof python benchmarks/run.py profile --h 64
     ncu --set full --import-source no -k regex:plan_kernel -c 1 -o prof python benchmarks/run.py profile --plan
@@ -61,6 +62,7 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--summarize", default=None, help="an .ncu-rep file: print the stall summary instead")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--plan", action="store_true", help="the planner kernel instead of attention")
+    p.add_argument("--fp8", action="store_true", help="kv as the FP8 cache, widened in the kernel")
     p.add_argument("--regions", action="store_true",
                    help="with --summarize: totals between consecutive barriers (BAR) instead of the hottest lines")
     a = p.parse_args(argv)
@@ -92,13 +94,19 @@ def main(argv=None, prog=None) -> int:
         return 0
     q = torch.randn(a.s_q, a.h, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(65536, 576, device="cuda", dtype=torch.bfloat16)
+    kv_in = kv
+    if a.fp8:  # the kernel reads the cache; the reference its bf16 dequantization (the same values)
+        from quilt_attn.kv_cache import dequantize_fp8, quantize_fp8
+
+        kv_in = quantize_fp8(kv)
+        kv = dequantize_fp8(kv_in)
     qp = program_shape(a.h, 8)[0]
     kw = dict(plan=make_plan(idx, s_kv=65536, merge_level=qp, split_private=False)) if qp > 1 else dict(indices=idx)
     out = torch.full((a.s_q, a.h, 512), float("nan"), dtype=q.dtype, device="cuda")
     ml = torch.empty(a.s_q, a.h, dtype=torch.float32, device="cuda")
     lse = torch.empty_like(ml)
     ctas = a.ctas if a.ctas != 0 else cuda_backend.work_items(a.h, a.s_q, kw.get("plan"))
-    cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, _skip=a.skip, _ctas=ctas, **kw)
+    cuda_backend.launch(q, kv_in, 576**-0.5, out, ml, lse, _skip=a.skip, _ctas=ctas, **kw)
     torch.cuda.synchronize()
     if a.skip == 0:  # the launch checked against the float32 reference on sampled queries (after the profiled kernel)
         from quilt_attn.reference import sparse_prefill_reference

@@ -126,6 +126,13 @@ __device__ __forceinline__ void widen_fp8(uint32_t dst, int g, int unit, int hal
     const uint4 a = ld_shared_v4(row0 + 16 * k), b = ld_shared_v4(row1 + 16 * k);
     const float s = ld_shared_f32(row0 + 64 + 4 * k);
     __syncwarp();  // the row's 8 lanes (one warp) have read their raw bytes before any lane overwrites them
+#ifdef QUILT_FP8_NO_WIDEN  // measurement: raw bytes stored unconverted (results invalid)
+    st_shared_v4(row0 + lo, a.x, a.y, a.z, a.w);
+    st_shared_v4(row0 + hi, a.x, a.y, a.z, __float_as_uint(s));
+    st_shared_v4(row1 + lo, b.x, b.y, b.z, b.w);
+    st_shared_v4(row1 + hi, b.x, b.y, b.z, b.w);
+    continue;
+#endif
     st_shared_v4(row0 + lo, widen2(a.x & 0xFFFFu, s), widen2(a.x >> 16, s), widen2(a.y & 0xFFFFu, s), widen2(a.y >> 16, s));
     st_shared_v4(row0 + hi, widen2(a.z & 0xFFFFu, s), widen2(a.z >> 16, s), widen2(a.w & 0xFFFFu, s), widen2(a.w >> 16, s));
     st_shared_v4(row1 + lo, widen2(b.x & 0xFFFFu, s), widen2(b.x >> 16, s), widen2(b.y & 0xFFFFu, s), widen2(b.y >> 16, s));
