@@ -60,12 +60,6 @@
 namespace quilt_sm90 {
 using namespace quilt_ptx;
 
-// the FP8 kernels' register split, producer / consumers (measurement: -D to move it)
-#ifndef QUILT_FP8_PRODUCER_REGS
-#define QUILT_FP8_PRODUCER_REGS "72"
-#define QUILT_FP8_CONSUMER_REGS "216"
-#endif
-
 template <typename T, typename OutT, bool kMma, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -81,25 +75,16 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
     }
     mbar_init(bars.q_ready(), 129);  // the copies of 128 producer threads, the work item
     mbar_init(bars.q_free(), 256);
-    for (int i = 0; i < 16; ++i) mbar_init(bars.landed(i / 8, i / 4 % 2, i % 4), 32);
     mbar_init_fence();
   }
   __syncthreads();
 
   if (wg == 2) {
-    if constexpr (kFp8) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 " QUILT_FP8_PRODUCER_REGS ";\n");
-    } else {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n");
-    }
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n");
     produce<T, kFp8>(p, smem, bars);
     return;
   }
-  if constexpr (kFp8) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 " QUILT_FP8_CONSUMER_REGS ";\n");
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
-  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
   // persistent: the producer hands over each program's work item with its q (a loop a warpgroup:
   // with both in one loop body ptxas spilled the accumulators)
   if (wg == 0) {

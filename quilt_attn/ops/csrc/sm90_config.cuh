@@ -28,8 +28,7 @@ struct SharedStorage {
   float max[kRows];               // the running max handed between warpgroups
   float sum[2][2][kRows];         // row sums [program parity][warpgroup]
   float tmax[2][kRows];           // warpgroup 1's true row max [program parity]
-  uint64_t bar[26];               // mbarriers: ready[2][2], free[2][2] ([buffer][half]), q ready, q free,
-                                  // landed[2][2][4] (FP8: a producer warp's copies of a half) (Bars)
+  uint64_t bar[10];               // mbarriers: ready[2][2], free[2][2] ([buffer][half]), q ready, q free (Bars)
   int work[2][2];                 // work items: the producer's [k & 1], the consumers' [k & 1]
 };
 
@@ -50,9 +49,9 @@ static_assert(kSmemQ == 0 && kSmemKV == kSmemQ + kTileBytes && kSmemP0 == kSmemK
               kSmemP1 == kSmemKV + 2 * kTileBytes && kSmemMask == kSmemP1 + kChunkBytes &&
               kSmemMax == kSmemMask + 2 * kTile * 4 && kSmemSum == kSmemMax + kRows * 4 &&
               kSmemTmax == kSmemSum + 4 * kRows * 4 && kSmemBar == kSmemTmax + 2 * kRows * 4 &&
-              kSmemWork == kSmemBar + 26 * 8 && kSmemBytes == kSmemWork + 4 * 4,
+              kSmemWork == kSmemBar + 10 * 8 && kSmemBytes == kSmemWork + 4 * 4,
               "shared-memory offsets");
-static_assert(kSmemBytes == 231904, "shared-memory total");
+static_assert(kSmemBytes == 231776, "shared-memory total");
 static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0 && kSmemP0 % 1024 == 0 && kSmemP1 % 1024 == 0,
               "swizzled chunks start on 1024-byte boundaries (the 128-byte swizzle's period)");
 static_assert(kSmemBar % 8 == 0, "mbarriers are 8-byte aligned");
@@ -101,8 +100,6 @@ struct Bars {
   __device__ uint32_t free(int buf, int half) const { return base + 32 + (buf * 2 + half) * 8; }
   __device__ uint32_t q_ready() const { return base + 64; }  // q rows of the CTA's current program landed
   __device__ uint32_t q_free() const { return base + 72; }   // the previous program's QKs are done with q
-  // FP8: producer warp `warp`'s raw copies of a half have landed (its 32 lanes' copy-completion arrivals)
-  __device__ uint32_t landed(int buf, int half, int warp) const { return base + 80 + ((buf * 2 + half) * 4 + warp) * 8; }
 };
 
 }  // namespace quilt_sm90

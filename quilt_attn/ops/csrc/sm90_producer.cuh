@@ -49,9 +49,6 @@ __device__ __forceinline__ void load_tile_ids(const Params& p, const Program& pr
   }
 }
 
-// kBits: a wide plan's member bits are loaded ahead with the rows (kFp8 kernels load them at use instead, see
-// produce: the widening needs the registers)
-template <bool kBits>
 __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, int b, int g, const int (&tile)[2],
                                            Slots& sl) {
 #pragma unroll
@@ -62,7 +59,7 @@ __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, i
       if (p.from_plan) {
         const long long at = static_cast<long long>(tile[buf]) * kTile + slot;
         sl.row[buf][j] = tile[buf] >= 0 ? p.tile_kv[at] : -1;  // (packed: the raw word, see slot_of)
-        sl.bits[buf][j] = kBits && tile[buf] >= 0 && p.tile_mask != nullptr ? static_cast<uint32_t>(p.tile_mask[at]) : 0u;
+        sl.bits[buf][j] = tile[buf] >= 0 && p.tile_mask != nullptr ? static_cast<uint32_t>(p.tile_mask[at]) : 0u;
       } else {
         const int pos = (2 * b + buf) * kTile + slot;
         sl.row[buf][j] = pos < pr.n_valid ? p.indices[static_cast<long long>(pr.q0) * p.stride_idx + pos] : -1;
@@ -92,51 +89,32 @@ __device__ __forceinline__ uint32_t widen2(uint32_t two_bytes, float s) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// FP8 rows go through shared memory in place: a half's raw bytes are copied (cp.async) into the very chunk rows
-// they widen into, then each producer warp widens its own rows there once its copies have landed (the landed
-// barriers), while the next halves' copies are in flight. Lane `unit` of a row owns 16 e4m3 values of each of
-// chunks ca, ca + 1 (ca = c0 + 2 (unit / 4), 16-byte pieces k = unit % 4): in each 128-byte chunk row the raw
-// pieces sit in its first 64 bytes and, in chunk ca's, the pair's scale at byte 64 + 4 k (each lane reads only
-// what it copied itself). Loading rows to registers instead left at most two rows' loads in flight (the
-// producer's 72 registers): twice the bf16 kernel's time.
-__device__ __forceinline__ void issue_fp8(const Params& p, uint32_t dst, const int (&row)[4], const bool (&ok)[4],
-                                          int g, int unit, int half) {
+// One half of a kv buffer from FP8 cache rows: the latent chunks c0 .. c0 + 3 loaded to registers (8 bytes a
+// unit), widened and stored (st.shared; the caller fences them for wgmma), and in half 1 the rope chunk by
+// cp.async, as the dense path copies it. Invalid rows widen zeros (their loads are skipped).
+__device__ __forceinline__ void fill_fp8(const Params& p, uint32_t dst, const int (&row)[4], const bool (&ok)[4],
+                                         int g, int unit, int half) {
   const uint8_t* cache = static_cast<const uint8_t*>(p.kv);
-  const int k = unit & 3, ca = (half ? 4 : 0) + 2 * (unit >> 2);
+  const int c0 = half ? 4 : 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = g + 16 * j;
-    const uint8_t* src = cache + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0);
-    const uint32_t row0 = dst + ca * kChunkBytes + r * 128;
-    cp_async16(row0 + 16 * k, src + ca * 64 + 16 * k, ok[j]);
-    cp_async16(row0 + kChunkBytes + 16 * k, src + (ca + 1) * 64 + 16 * k, ok[j]);
-    cp_async4(row0 + 64 + 4 * k, src + kFp8ScaleAt + 4 * (ca / 2), ok[j]);  // chunks 2s, 2s + 1 share scale s
-    if (half) cp_async16(dst + (kChunks - 1) * kChunkBytes + swz(r, unit), src + kFp8RopeAt + unit * 16, ok[j]);
-  }
-}
-
-// The in-place widening of one half (after issue_fp8's copies have landed), a row at a time; invalid rows were
-// zero-filled, raw bytes and scale, and widen to zeros.
-__device__ __forceinline__ void widen_fp8(uint32_t dst, int g, int unit, int half) {
-  const int k = unit & 3, ca = (half ? 4 : 0) + 2 * (unit >> 2);
-  const uint32_t lo = ((2 * k) ^ (g & 7)) << 4, hi = ((2 * k + 1) ^ (g & 7)) << 4;  // rows g + 16 j: row & 7 = g & 7
-#pragma unroll 1  // (a row at a time: the producer has 72 registers)
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t row0 = dst + ca * kChunkBytes + (g + 16 * j) * 128, row1 = row0 + kChunkBytes;
-    const uint4 a = ld_shared_v4(row0 + 16 * k), b = ld_shared_v4(row1 + 16 * k);
-    const float s = ld_shared_f32(row0 + 64 + 4 * k);
-    __syncwarp();  // the row's 8 lanes (one warp) have read their raw bytes before any lane overwrites them
-#ifdef QUILT_FP8_NO_WIDEN  // measurement: raw bytes stored unconverted (results invalid)
-    st_shared_v4(row0 + lo, a.x, a.y, a.z, a.w);
-    st_shared_v4(row0 + hi, a.x, a.y, a.z, __float_as_uint(s));
-    st_shared_v4(row1 + lo, b.x, b.y, b.z, b.w);
-    st_shared_v4(row1 + hi, b.x, b.y, b.z, b.w);
-    continue;
-#endif
-    st_shared_v4(row0 + lo, widen2(a.x & 0xFFFFu, s), widen2(a.x >> 16, s), widen2(a.y & 0xFFFFu, s), widen2(a.y >> 16, s));
-    st_shared_v4(row0 + hi, widen2(a.z & 0xFFFFu, s), widen2(a.z >> 16, s), widen2(a.w & 0xFFFFu, s), widen2(a.w >> 16, s));
-    st_shared_v4(row1 + lo, widen2(b.x & 0xFFFFu, s), widen2(b.x >> 16, s), widen2(b.y & 0xFFFFu, s), widen2(b.y >> 16, s));
-    st_shared_v4(row1 + hi, widen2(b.z & 0xFFFFu, s), widen2(b.z >> 16, s), widen2(b.w & 0xFFFFu, s), widen2(b.w >> 16, s));
+  for (int j = 0; j < 4; ++j) {  // (row by row: four rows' loads in flight need ~40 of the producer's 72 registers)
+    const uint8_t* base = cache + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0);
+    uint2 raw[4];
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      raw[cc] = ok[j] ? __ldg(reinterpret_cast<const uint2*>(base + (c0 + cc) * 64 + unit * 8)) : make_uint2(0u, 0u);
+    }
+    const float2 sc = ok[j] ? __ldg(reinterpret_cast<const float2*>(base + kFp8ScaleAt + 4 * (c0 / 2)))
+                            : make_float2(0.f, 0.f);
+    if (half) {
+      cp_async16(dst + (kChunks - 1) * kChunkBytes + swz(g + 16 * j, unit), base + kFp8RopeAt + unit * 16, ok[j]);
+    }
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      const float s = cc < 2 ? sc.x : sc.y;  // chunks 2k, 2k + 1 share scale k
+      st_shared_v4(dst + (c0 + cc) * kChunkBytes + swz(g + 16 * j, unit), widen2(raw[cc].x & 0xFFFFu, s),
+                   widen2(raw[cc].x >> 16, s), widen2(raw[cc].y & 0xFFFFu, s), widen2(raw[cc].y >> 16, s));
+    }
   }
 }
 
@@ -189,50 +167,8 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + kSmemMask);
   Slots cur, nxt;
   int tile_n[2], tile_nn[2];  // plan tile ids of blocks b + 1, b + 2
-  int tile_c[2];              // kFp8: block b's, for its member bits
-  // FP8: halves are numbered in fill order across the CTA's programs (seq 4 (gb + b) + i, i over the block's
-  // fill order below); `issued` have had their copies issued, `widened` have been widened and handed over
-  int issued = 0, widened = 0;
-  const int warp = t / 32;
-  auto half_of = [](int s, int& buf, int& half) {  // fill order (0, 0), (1, 1), (0, 1), (1, 0)
-    buf = s & 1;
-    half = ((s >> 1) ^ s) & 1;
-  };
-  auto widen_next = [&]() {
-    int buf, half;
-    half_of(widened, buf, half);
-#ifdef QUILT_SANITIZER_SYNC
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncwarp();
-#else
-    mbar_wait(bars.landed(buf, half, warp), (widened >> 2) & 1);
-#endif
-    if (!(p.skip & kSkipGather)) widen_fp8(smem_u32(smem + kSmemKV + buf * kTileBytes), g, unit, half);
-    fence_async_smem();  // the widened rows (st.shared) and the rope's cp.async -> wgmma's async-proxy reads
-    mbar_arrive(bars.ready(buf, half));
-    mbar_arrive(bars.ready(buf, half));
-    ++widened;
-  };
   auto fill = [&](int buf, int half, int phase) {
-    if constexpr (kFp8) {
-      // wait for the half to be free, widening whatever has landed meanwhile (warp-uniform decisions: every
-      // lane that goes on has seen the barrier complete itself)
-#ifdef QUILT_FP8_LAG  // measurement: a fixed lag (half i widened after half i + 1 is issued), no polling
-      mbar_wait(bars.free(buf, half), phase ^ 1);
-#else
-      for (;;) {
-        if (__all_sync(0xffffffffu, mbar_test(bars.free(buf, half), phase ^ 1))) break;
-        if (widened < issued) {
-          int wb, wh;
-          half_of(widened, wb, wh);
-          if (__all_sync(0xffffffffu, mbar_test(bars.landed(wb, wh, warp), (widened >> 2) & 1))) widen_next();
-        }
-      }
-#endif
-    } else {
-      mbar_wait(bars.free(buf, half), phase ^ 1);
-    }
+    mbar_wait(bars.free(buf, half), phase ^ 1);
     bool ok[4];
     int row[4];
     uint32_t bits[4];
@@ -243,31 +179,14 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
     }
     if (half == buf && unit == 0) {  // the half each buffer's consumer waits for first carries the bits
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if constexpr (kFp8) {  // a wide plan's bits, loaded here (the loads' latency: 4 lanes of 32, twice a block)
-          if (p.from_plan && p.tile_mask != nullptr)
-            bits[j] = tile_c[buf] >= 0 ? static_cast<uint32_t>(p.tile_mask[static_cast<long long>(tile_c[buf]) * kTile + g + 16 * j]) : 0u;
-        }
-        masks[buf * kTile + g + 16 * j] = ok[j] ? bits[j] : 0u;
-      }
+      for (int j = 0; j < 4; ++j) masks[buf * kTile + g + 16 * j] = ok[j] ? bits[j] : 0u;
     }
-    const uint32_t dst = smem_u32(smem + kSmemKV + buf * kTileBytes);
-    if constexpr (kFp8) {
-      if (!(p.skip & kSkipGather)) issue_fp8(p, dst, row, ok, g, unit, half);
-#ifdef QUILT_SANITIZER_SYNC
-      ++issued;
-      widen_next();
-#else
-      mbar_arrive_copies(bars.landed(buf, half, warp));
-      ++issued;
-#ifdef QUILT_FP8_LAG
-      if (issued - widened > 1) widen_next();
-#endif
-#endif
-      return;
-    } else {
-      const int c0 = half ? 4 : 0, c1 = half ? kChunks : 4;
-      if (!(p.skip & kSkipGather)) {
+    const int c0 = half ? 4 : 0, c1 = half ? kChunks : 4;
+    if (!(p.skip & kSkipGather)) {
+      const uint32_t dst = smem_u32(smem + kSmemKV + buf * kTileBytes);
+      if constexpr (kFp8) {
+        fill_fp8(p, dst, row, ok, g, unit, half);
+      } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int r = g + 16 * j;
@@ -276,17 +195,27 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
           for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
         }
       }
+    }
 #ifdef QUILT_SANITIZER_SYNC
-      cp_async_commit();
-      cp_async_wait<0>();
-      fence_async_smem();
-      mbar_arrive(bars.ready(buf, half));
-      mbar_arrive(bars.ready(buf, half));
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_smem();
+    mbar_arrive(bars.ready(buf, half));
+    mbar_arrive(bars.ready(buf, half));
 #else
+    if constexpr (kFp8) {
+      fence_async_smem();  // the widened rows (st.shared) -> wgmma's async-proxy reads
+      mbar_arrive(bars.ready(buf, half));
+      if (half) {
+        mbar_arrive_copies(bars.ready(buf, half));  // the rope chunk's cp.async
+      } else {
+        mbar_arrive(bars.ready(buf, half));
+      }
+    } else {
       mbar_arrive(bars.ready(buf, half));
       mbar_arrive_copies(bars.ready(buf, half));
-#endif
     }
+#endif
   };
   int gb = 0;  // kv blocks of the CTA's earlier programs: the ready / free barriers' phase
   volatile int* next = reinterpret_cast<int*>(smem + kSmemWork);
@@ -311,31 +240,23 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
     int tile0[2];
     load_tile_ids(p, pr, 0, tile0);
     load_tile_ids(p, pr, 1, tile_n);
-    load_slots<!kFp8>(p, pr, 0, g, tile0, cur);
-    tile_c[0] = tile0[0];
-    tile_c[1] = tile0[1];
+    load_slots(p, pr, 0, g, tile0, cur);
     // q first: the consumers free its shared memory after their last QK of the previous program, before
     // the last PVs that free the kv buffers, so its wait is the shorter one
     hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
     for (int b = 0; b < n_blocks; ++b) {
       const int phase = (gb + b) & 1;
-      load_slots<!kFp8>(p, pr, b + 1, g, tile_n, nxt);  // (past the end: no loads, all slots -1)
+      load_slots(p, pr, b + 1, g, tile_n, nxt);  // (past the end: no loads, all slots -1)
       load_tile_ids(p, pr, b + 2, tile_nn);
       fill(0, 0, phase);
       fill(1, 1, phase);
       fill(0, 1, phase);
       fill(1, 0, phase);
       cur = nxt;
-      tile_c[0] = tile_n[0];
-      tile_c[1] = tile_n[1];
       tile_n[0] = tile_nn[0];
       tile_n[1] = tile_nn[1];
     }
     gb += n_blocks;
-    if constexpr (kFp8) {
-      // the program's last halves before the next program's q: the consumers free q only after their last QK
-      while (widened < issued) widen_next();
-    }
   }
   cp_async_wait<0>();
 }
