@@ -166,14 +166,23 @@ def mirror_layout(struct) -> list[tuple[str, int]]:
     return [(name, getattr(struct, name).offset) for name, _ in struct._fields_]
 
 
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why the CUDA backend cannot run on ``device`` (None when it can)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"the CUDA backend needs a CUDA device, got {device}"
-    major, minor = torch.cuda.get_device_capability(device)
+@functools.lru_cache(maxsize=None)
+def _capability_reason(device_index: int) -> str | None:
+    major, minor = torch.cuda.get_device_capability(device_index)
     if (major, minor) != (9, 0):
         return f"the CUDA backend is built for Hopper (sm_90a); this GPU is sm_{major}{minor}"
-    if not library_path().exists() and find_nvcc() is None:
+    return None
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the CUDA backend cannot run on ``device`` (None when it can). Asked on every call: the device's
+    answer is cached, and once the library is loaded the file system is not asked again."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"the CUDA backend needs a CUDA device, got {device}"
+    reason = _capability_reason(device.index if device.index is not None else torch.cuda.current_device())
+    if reason:
+        return reason
+    if _LIB is None and not library_path().exists() and find_nvcc() is None:
         return "the CUDA backend is compiled on first use and needs nvcc (set CUDA_HOME); none found"
     return None
 
