@@ -29,6 +29,7 @@ DEFAULTS = dict(
     clip=RESULTS / "clip_accuracy_cpu.json",
     engine=RESULTS / "h200_engine_shapes.json",  # used when present
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
+    fp8_cache=RESULTS / "h200_fp8_cache_2a77fa9.json",
 )
 
 # Changes in the tree since the recorded files were measured. Empty this list once every file above has been
@@ -45,8 +46,10 @@ UNMEASURED_CHANGES = [
     "the CUDA sources are split by role into headers (the generated SASS is identical, by cuobjdump diff);",
     "the CUDA planner probes a warp's colliding membership entries with all its lanes together (measured in the "
     "engine-shape section);",
-    "the CUDA kernel's epilogue writes zeros for an empty row instead of o * 0 (after the engine-shape run: not "
-    "measured; a select on 64 values a row, no change expected).",
+    "the CUDA kernel's epilogue writes zeros for an empty row instead of o * 0 (measured in the engine-shape "
+    "section: the kernel rows unchanged);",
+    "the CUDA backend's availability check is cached (host time of a call 0.56 -> 0.34 ms at s_q 4096, h = 16; "
+    "measured in the engine-shape section).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
 # What ran at the commits of the recorded files (a result file names its commit only); results of these commits
@@ -520,6 +523,37 @@ def _plot(rows, png, gpu) -> None:
     plt.close(fig)
 
 
+def _fp8_cache(doc, path, root) -> list[str]:
+    """The FP8 cache on the CUDA backend: expanded to bf16 once a call (the default) against widened in the
+    kernel (``cuda_backend.FP8_IN_KERNEL``), beside the bf16 kernel on the dequantized pool."""
+    if doc is None:
+        return []
+    lines = ["## FP8 cache on the CUDA backend", "",
+             f"`benchmarks/fp8_cache.py` ({_header_lines(doc, path, root)}): slot ids into an FP8 pool (uint8 rows "
+             "of 656 bytes), GLM-5.3-like, s_q 16384 of a 64K context, the kernel rows with a plan built beforehand. `bf16 "
+             "kernel`: the pool dequantized beforehand; `expand`: the default, the whole pool widened to bf16, "
+             "then the kernel; `widen`: the kernel reads the FP8 rows and widens them on their way into shared "
+             "memory (opt-in knob); `call`: `sparse_prefill` with default arguments either way. The widened "
+             "kernel's output equals the bf16 kernel's bit for bit in every row (`same bits`).", "",
+             "| pool | h | bf16 kernel ms | expand + kernel ms | widen kernel ms | widen / bf16 | expand call ms | "
+             "widen call ms | extra MiB expand / widen | same bits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {}
+    for r in doc["rows"]:
+        by.setdefault((r["shape"], r["h"]), {})[r["method"]] = r
+    for (shape, h), m in by.items():
+        b, e, w = m["bf16-kernel"], m["expand-kernel"], m["widen-kernel"]
+        ec, wc = m["expand-call"], m["widen-call"]
+        lines.append(f"| {shape} | {h} | {b['ms']:.3f} | {e['ms']:.3f} | {w['ms']:.3f} | {w['over_bf16_kernel']:.2f} | "
+                     f"{ec['ms']:.3f} | {wc['ms']:.3f} | {ec['extra_mib']:.0f} / {wc['extra_mib']:.0f} | "
+                     f"{'yes' if w.get('same_bits_as_bf16') else '**no**'} |")
+    lines += ["", "The widened kernel is producer-bound (about twice the bf16 kernel's time): one warpgroup gathers "
+              "and widens, and the widening is on each half tile's refill path (docs/design-log.md, 2026-12-02). "
+              "Expanding stays the default; widening is for pools whose bf16 copy does not fit (4.6 GB at 4M rows).",
+              ""]
+    return lines
+
+
 def _fp8_mode(doc, path, root) -> list[str]:
     """The FP8 tensor-core mode's accuracy, from the CPU emulation of its arithmetic (no kernel of it yet)."""
     if doc is None:
@@ -556,7 +590,8 @@ def _fp8_mode(doc, path, root) -> list[str]:
 
 
 def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, plan_beside=None, clip=None,
-                        engine=None, fp8_mode=None, target=None, root=None, png=None, plot=True) -> Path:
+                        engine=None, fp8_mode=None, fp8_cache=None, target=None, root=None, png=None,
+                        plot=True) -> Path:
     """Write BENCHMARKS.md from recorded result files.
 
     grid : the grid's JSON (``benchmarks/run.py grid``); its rows make the main table, the plot and the targets.
@@ -568,6 +603,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     clip : the CPU importance-clipping study (``quilt-bench report``).
     engine : the engine-shape run (``benchmarks/run.py engine-shapes``); a missing file says it has not run.
     fp8_mode : the FP8 mode's accuracy emulation (``benchmarks/fp8_accuracy.py``); missing: no section.
+    fp8_cache : the FP8-cache run (``benchmarks/run.py fp8-cache``); missing: no section.
     target : the markdown file (default ``<root>/BENCHMARKS.md``); text below ``MARKER`` in it is kept.
     root : paths in the text are relative to it (default: the repository root).
     png : the plot (default: ``grid`` with a ``.png`` suffix); ``plot=False`` leaves it alone.
@@ -580,6 +616,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     rep_docs = [d for d in (_load(p) for p in repeats) if d]
     fm_docs = [d for d in (_load(p) for p in flashmla) if d]
     ov, bs, cl, en, f8 = _load(plan_overlap), _load(plan_beside), _load(clip), _load(engine), _load(fp8_mode)
+    fc = _load(fp8_cache)
     png = Path(png) if png is not None else grid.with_suffix(".png")
     if plot:
         _plot(rows, png, gdoc.get("gpu"))
@@ -603,6 +640,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
         *_planning(rows + [r for d in rep_docs for r in d["rows"] if "ms" in r], ov, bs, root,
                    (plan_overlap, plan_beside)),
         *_engine(en, engine, root),
+        *_fp8_cache(fc, fp8_cache, root),
         *_fp8_mode(f8, fp8_mode, root),
         *_targets(rows, [[r for r in d["rows"] if "ms" in r] for d in rep_docs], fm_docs, ov, bs, cl),
         "Not reached: the goals at 8 / 16 / 32 heads. A kv half's refill latency is the largest exposed wait "
@@ -630,13 +668,15 @@ def main(argv=None) -> None:
     p.add_argument("--clip", default=str(DEFAULTS["clip"]))
     p.add_argument("--engine", default=str(DEFAULTS["engine"]))
     p.add_argument("--fp8-mode", default=str(DEFAULTS["fp8_mode"]))
+    p.add_argument("--fp8-cache", default=str(DEFAULTS["fp8_cache"]))
     p.add_argument("--out", default=None, help="default: BENCHMARKS.md at the repository root")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     path = write_benchmarks_md(
         a.grid, repeats=a.repeat if a.repeat is not None else DEFAULTS["repeats"],
         flashmla=a.flashmla if a.flashmla is not None else DEFAULTS["flashmla"], plan_overlap=a.plan_overlap,
-        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, fp8_mode=a.fp8_mode, target=a.out,
+        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, fp8_mode=a.fp8_mode, fp8_cache=a.fp8_cache,
+        target=a.out,
         plot=not a.no_plot)
     print(path)
 

@@ -188,8 +188,8 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 # FP8 cache rows widened to bf16 inside the kernel, on their way into shared memory (True), instead of the whole
-# cache expanded to bf16 once a call before the kernel runs (False). A measurement knob until the device has
-# timed the in-kernel path (benchmarks/fp8_cache.py); dispatch.kernel_kv reads it.
+# cache expanded to bf16 once a call before the kernel runs (False, the default: widening in the producer takes
+# about twice the bf16 kernel's time, BENCHMARKS.md; it saves the pool's bf16 copy). dispatch.kernel_kv reads it.
 FP8_IN_KERNEL = False
 
 
