@@ -7,7 +7,10 @@ process, on the same inputs:
   issue's "no slower than the bf16 kernel" means);
 * ``expand-kernel``: today's FP8 path with the plan prebuilt: the whole pool expanded to bf16, then the kernel;
 * ``widen-kernel``: the kernel reading the FP8 rows themselves (``cuda_backend.FP8_IN_KERNEL``), plan prebuilt;
-* ``expand-call`` / ``widen-call``: ``sparse_prefill(q, cache, indices)`` with default arguments either way.
+* ``compact-kernel``: the referenced rows widened into a compact buffer, then the kernel on it (or, chosen on
+  the device when they overflow it, the widening kernel; ``cuda_backend.launch_fp8_compact``), plan prebuilt;
+* ``expand-call`` / ``widen-call`` / ``compact-call``: ``sparse_prefill(q, cache, indices)`` made to take each
+  path; ``default-call``: as it is (expanded up to ``FP8_COMPACT_POOL`` rows, compacted above).
 
 Every output starts NaN-poisoned and is checked against the float32 reference on sampled queries; the widened
 kernel's output is compared with the bf16 kernel's bit for bit (the same bf16 values); each call's extra device
@@ -56,19 +59,29 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
         work = dict(plan=plan) if plan is not None else dict(indices=idx)
         cuda_backend.launch(q, kv, sm_scale, k_out, k_ml, k_lse, **work)
 
-    def call(q, cache, idx, in_kernel: bool):
-        prev, cuda_backend.FP8_IN_KERNEL = cuda_backend.FP8_IN_KERNEL, in_kernel
-        try:
-            return quilt_attn.sparse_prefill(q, cache, idx, sm_scale)
+    def compact_kernel(q, cache, idx, plan):
+        work = dict(plan=plan) if plan is not None else dict(indices=idx)
+        cuda_backend.launch_fp8_compact(q, cache, sm_scale, k_out, k_ml, k_lse, **work)
+
+    def call(q, cache, idx, mode: str):
+        knobs = (cuda_backend.FP8_IN_KERNEL, cuda_backend.FP8_COMPACT_POOL)
+        cuda_backend.FP8_IN_KERNEL = mode == "widen"
+        cuda_backend.FP8_COMPACT_POOL = 0 if mode == "compact" else knobs[1]
+        try:  # (expand: the pool expanded whatever its size)
+            kw = dict(_triton={"fp8_expand": True}) if mode == "expand" else {}
+            return quilt_attn.sparse_prefill(q, cache, idx, sm_scale, **kw)
         finally:
-            cuda_backend.FP8_IN_KERNEL = prev
+            cuda_backend.FP8_IN_KERNEL, cuda_backend.FP8_COMPACT_POOL = knobs
 
     variants = {
         "bf16-kernel": lambda i: kernel(sets[i][0], sets[i][2], sets[i][3], plans[i]),
         "expand-kernel": lambda i: kernel(sets[i][0], expand_fp8(sets[i][1]), sets[i][3], plans[i]),
         "widen-kernel": lambda i: kernel(sets[i][0], sets[i][1], sets[i][3], plans[i]),
-        "expand-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], False),
-        "widen-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], True),
+        "compact-kernel": lambda i: compact_kernel(sets[i][0], sets[i][1], sets[i][3], plans[i]),
+        "expand-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "expand"),
+        "widen-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "widen"),
+        "compact-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "compact"),
+        "default-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "default"),
     }
 
     def with_library(path, fn):
@@ -96,10 +109,10 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
             chk = check(out, ml, lse, q, dense, idx, rows, natural=True)
         result[name] = dict(base, method=name, **chk)
     for name in kernel_out:
-        if name.startswith("widen-kernel"):
+        if name.startswith(("widen-kernel", "compact-kernel")):
             result[name]["same_bits_as_bf16"] = bool(torch.equal(kernel_out[name], kernel_out["bf16-kernel"]))
     out_bytes = s_q * h * (D_V * 2 + 8)
-    for name in ("expand-call", "widen-call"):
+    for name in ("expand-call", "widen-call", "compact-call", "default-call"):
         result[name]["extra_mib"] = extra_mib(lambda n=name: variants[n](0), out_bytes)
     times = time_alternating(variants, rounds, warmup, rep)
     for name, r in result.items():
@@ -123,20 +136,22 @@ def main(argv=None, prog=None) -> int:
     a = p.parse_args(argv)
     builds = dict(spec.split("=", 1) for spec in a.builds.split(",") if spec)
     rows = []
-    print("| case | h | bf16 kernel | expand + kernel | widen kernel | expand call | widen call | widen / bf16 | "
-          "same bits | extra MiB expand / widen | rel_err widen |", flush=True)
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| case | h | bf16 kernel | expand + kernel | widen kernel | compact + kernel | expand call | widen call | "
+          "compact call | default call | compact / bf16 | same bits widen / compact | extra MiB expand / widen / "
+          "compact | rel_err compact |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in a.cases.split(","):
         for h in (int(x) for x in a.heads.split(",")):
             got = {r["method"]: r for r in run_shape(SHAPES[name], h, a.workload, a.topk, a.rounds, a.warmup, a.rep,
                                                      builds)}
             rows += got.values()
-            w = got["widen-kernel"]
+            w, c = got["widen-kernel"], got["compact-kernel"]
             print(f"| {name} | {h} | {got['bf16-kernel']['ms']:.3f} | {got['expand-kernel']['ms']:.3f} | "
-                  f"{w['ms']:.3f} | {got['expand-call']['ms']:.3f} | {got['widen-call']['ms']:.3f} | "
-                  f"{w['over_bf16_kernel']:.3f} | {w['same_bits_as_bf16']} | "
-                  f"{got['expand-call']['extra_mib']:.0f} / {got['widen-call']['extra_mib']:.0f} | "
-                  f"{w['rel_err']:.1e} |", flush=True)
+                  f"{w['ms']:.3f} | {c['ms']:.3f} | {got['expand-call']['ms']:.3f} | {got['widen-call']['ms']:.3f} | "
+                  f"{got['compact-call']['ms']:.3f} | {got['default-call']['ms']:.3f} | "
+                  f"{c['over_bf16_kernel']:.3f} | {w['same_bits_as_bf16']} / {c['same_bits_as_bf16']} | "
+                  f"{got['expand-call']['extra_mib']:.0f} / {got['widen-call']['extra_mib']:.0f} / "
+                  f"{got['compact-call']['extra_mib']:.0f} | {c['rel_err']:.1e} |", flush=True)
             for bname in builds:
                 r = got[f"widen-kernel:{bname}"]
                 print(f"|   build {bname} | {h} | | | {r['ms']:.3f} | | | {r['over_bf16_kernel']:.3f} | "

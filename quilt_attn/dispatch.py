@@ -196,13 +196,16 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
 
 
 def kernel_kv(q: torch.Tensor, kv: torch.Tensor, backend: str, topk: int, fp8_expand: bool | None) -> torch.Tensor:
-    """kv as ``backend``'s kernel reads it: an FP8 cache expanded to q's dtype once per call for the CUDA
-    kernel (prefill reads each row many times), unless ``cuda_backend.FP8_IN_KERNEL`` has it widened in the
-    kernel (bf16 q); for Triton expanded when ``fp8_expand`` (None: when the call gathers at least ``s_kv``
-    rows), else as given (dequantized on load)."""
+    """kv as ``backend``'s kernel reads it. An FP8 cache, for the CUDA kernel: expanded to q's dtype once per
+    call (prefill reads each row many times) in pools of up to ``cuda_backend.FP8_COMPACT_POOL`` rows; in
+    larger ones (bf16 q) given as it is, for ``cuda_backend.launch_sparse_attention_cuda`` to widen only the
+    rows the call references (or, with ``cuda_backend.FP8_IN_KERNEL``, to widen every gathered row in the
+    kernel). For Triton: expanded when ``fp8_expand`` (None: when the call gathers at least ``s_kv`` rows),
+    else as given (dequantized on load)."""
     if kv.dtype != torch.uint8:
         return kv
-    if backend == "cuda" and cuda_backend.FP8_IN_KERNEL and q.dtype == torch.bfloat16 and fp8_expand is not True:
+    if (backend == "cuda" and q.dtype == torch.bfloat16 and fp8_expand is not True
+            and (cuda_backend.FP8_IN_KERNEL or kv.shape[0] > cuda_backend.FP8_COMPACT_POOL)):
         return kv
     from .ops.fp8_expand import expand_fp8, expansion_pays_off  # a Triton kernel module: imported when first used
 

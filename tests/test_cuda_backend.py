@@ -359,6 +359,40 @@ def test_cuda_fp8_cache_widened_in_kernel_equals_expanded(h, method, monkeypatch
 
 @gpu
 @on_hopper
+@pytest.mark.parametrize("cap", ["fits", "overflows"])
+@pytest.mark.parametrize("h", [8, 16, 64, 128])
+@pytest.mark.parametrize("method", ["quilt", "query_parallel"])
+def test_cuda_fp8_pool_compacted_equals_expanded(h, method, cap, monkeypatch, nan_poison):
+    """An FP8 pool above ``FP8_COMPACT_POOL`` rows: the call widens only its referenced rows into the compact
+    buffer (or, when they are more than ``FP8_COMPACT_ROWS``, the launch chosen on the device widens them in
+    the kernel) and gives the expanded pool's result bit for bit, with invalid entries, an empty query,
+    topk_length and attn_sink."""
+    from quilt_attn import dequantize_fp8, quantize_fp8
+
+    s_q, s_kv, topk = 192, 8192, 2048
+    q, kv, idx = _inputs(h, s_q=s_q, s_kv=s_kv, topk=topk)
+    cache = quantize_fp8(kv)
+    cache[:, 512:528].view(torch.float32).mul_(1.37)
+    idx[5, :300] = -1
+    idx[6, 7] = s_kv + 5
+    idx[9] = -1
+    lengths = torch.randint(0, topk + 50, (s_q,), device="cuda", dtype=torch.int32,
+                            generator=torch.Generator(device="cuda").manual_seed(4))
+    sink = torch.linspace(-2, 3, h, device="cuda")
+    kw = dict(method=method, backend="cuda", topk_length=lengths, attn_sink=sink)
+    want = sparse_prefill(q, cache, idx, **kw)  # the pool expanded (below FP8_COMPACT_POOL)
+    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 1024)
+    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_ROWS", 6000 if cap == "fits" else 256)
+    got = sparse_prefill(q, cache, idx, **kw)
+    for a, b, name in zip(got, want, ("out", "max_logits", "lse")):
+        assert torch.equal(a, b), f"{method} h={h} {cap}: {name} differs from the expanded pool's"
+    dense = dequantize_fp8(cache)
+    assert_matches_reference(got, sparse_prefill_reference(q, dense, idx, topk_length=lengths, attn_sink=sink),
+                             BF16, what=f"fp8 compacted {method} h={h} {cap}")
+
+
+@gpu
+@on_hopper
 def test_cuda_fp8_cache_widened_in_kernel_split_plan_and_pool(monkeypatch, nan_poison):
     """A split-private plan (shared tiles widened in the CUDA kernel, private rows dequantized on load by
     Triton) and slot ids into a pool of 2^22 FP8 rows (2.6 GB; its expansion would be 4.6 GB)."""

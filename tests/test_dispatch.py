@@ -21,6 +21,7 @@ from quilt_attn import plan as make_plan
 from quilt_attn import quantize_fp8, sparse_prefill, sparse_prefill_reference
 from quilt_attn.compat import flash_mla_sparse_fwd
 from quilt_attn.dispatch import Decision, decide, plan_settings
+from quilt_attn.ops import cuda_backend
 from quilt_attn.planner import plan_workspace_bytes
 from quilt_attn.workloads import generate
 
@@ -234,14 +235,17 @@ def test_gpu_default_call_captures_in_a_cuda_graph(h, use_workspace):
 
 @gpu
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-@pytest.mark.parametrize("h,kind", [(8, "dense"), (16, "dense"), (16, "fp8"), (64, "dense")])
-def test_gpu_default_call_path_makes_no_host_sync(backend, h, kind):
+@pytest.mark.parametrize("h,kind", [(8, "dense"), (16, "dense"), (16, "fp8"), (16, "fp8-pool"), (64, "fp8-pool"),
+                                    (64, "dense")])
+def test_gpu_default_call_path_makes_no_host_sync(backend, h, kind, monkeypatch):
     """After a warm-up, the default calls of ``sparse_prefill`` and ``flash_mla_sparse_fwd`` run with
     ``torch.cuda.set_sync_debug_mode("error")``: planning, the backend and kernel decision, the kernels and
     the natural-log conversion read nothing on the host."""
     q, kv, idx = _gpu_inputs(h, s_q=512)
-    if kind == "fp8":
+    if kind.startswith("fp8"):
         kv = quantize_fp8(kv)
+    if kind == "fp8-pool":  # a pool above FP8_COMPACT_POOL rows: referenced rows compacted, launch chosen on the device
+        monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 1024)
     calls = {
         "sparse_prefill": lambda: sparse_prefill(q, kv, idx, backend=backend),
         "flash_mla_sparse_fwd": lambda: flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], 576**-0.5,

@@ -243,3 +243,58 @@ def test_fp8_cache_layout_is_checked_in_one_place():
             sparse_prefill(q.half(), bad, idx, method="query_parallel")
         with pytest.raises(ValueError, match=r"cache must be uint8 \[s_kv, 656\]"):
             dequantize_fp8(bad)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_compact_fp8_widens_the_referenced_rows_and_renumbers_them(packed, monkeypatch):
+    """``fp8_compact.compact_fp8`` (Triton; its interpreter on a CPU): every referencing word, renumbered,
+    reaches the same dequantized values as the original row did (bit for bit); padding, negative and
+    out-of-pool words are unchanged; compact rows are in pool order; ``fits`` is 1 exactly when the distinct
+    rows are at most ``cap``; ``expand_fp8(rows=...)`` widens the listed rows."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from quilt_attn.ops.fp8_compact import compact_fp8
+    from quilt_attn.ops.fp8_expand import expand_fp8
+
+    s_kv = 700
+    cache = quantize_fp8(randn(s_kv, 576, seed=3, dtype=torch.bfloat16).to(device) * 5)
+    dense_all = dequantize_fp8(cache)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, s_kv, (40, 64), generator=g, dtype=torch.int32)
+    rows[3, :10] = rows[0, :10]  # repeated rows
+    bits = torch.randint(1, 256, rows.shape, generator=g, dtype=torch.int32)
+    if packed:
+        words = rows | (bits << 24)
+        words[5, 40:] = -1  # padding
+        words[6, 3] = s_kv + 9 | (1 << 24)  # a row past the pool
+        ok = (words != -1) & ((words & 0xFFFFFF) < s_kv)
+        row_of = lambda w: w & 0xFFFFFF  # noqa: E731
+    else:
+        words = rows.clone()
+        words[5, 40:] = -1
+        words[6, 3] = s_kv + 9
+        ok = (words >= 0) & (words < s_kv)
+        row_of = lambda w: w  # noqa: E731
+    distinct = torch.unique(row_of(words)[ok]).numel()
+    words = words.to(device)
+    ok = ok.to(device)
+    for cap, fits_want in ((s_kv, 1), (distinct, 1), (distinct - 1, 0)):
+        dense, remapped, fits = compact_fp8(cache, words, cap, packed=packed)
+        assert dense.shape == (cap, 576) and remapped.shape == words.shape and int(fits) == fits_want
+        assert torch.equal(remapped[~ok], words[~ok])
+        if packed:
+            assert torch.equal(remapped[ok] >> 24, words[ok] >> 24)  # member bits kept
+        new, old = row_of(remapped[ok]).long(), row_of(words[ok]).long()
+        if fits_want:
+            assert torch.equal(dense[new].view(torch.int16), dense_all[old].view(torch.int16))
+            assert int(new.max()) == distinct - 1
+        order = torch.unique(old)  # pool order: compact row i is the i-th referenced row
+        listed = order[:cap]
+        assert torch.equal(dense[:listed.numel()].view(torch.int16), dense_all[listed].view(torch.int16))
+    picked = torch.tensor([4, 0, 699, 4], dtype=torch.int32, device=device)
+    assert torch.equal(expand_fp8(cache, rows=picked).view(torch.int16), dense_all[picked.long()].view(torch.int16))
+    with pytest.raises(ValueError, match="cap must be"):
+        compact_fp8(cache, words, 0, packed=packed)
+    with pytest.raises(ValueError, match="words must be contiguous int32"):
+        compact_fp8(cache, words.long(), 4, packed=packed)

@@ -48,7 +48,8 @@ class _Params(ctypes.Structure):
                                                   "stride_os", "stride_oh")]
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "h", "topk", "prog_cap", "group_size", "qp", "hb",
                                              "from_plan", "n_work", "nhb")]
-    _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int)]
+    _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int),
+                 ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int)]
 
 
 class _PlanParams(ctypes.Structure):
@@ -305,7 +306,7 @@ def work_items(h: int, s_q: int, plan=None) -> int:
 
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-           partial: bool = False, _skip: int = 0, _ctas: int | None = None) -> None:
+           partial: bool = False, tile_kv=None, run_if=None, _skip: int = 0, _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
 
     ``q [s_q, h, 576]``, ``kv [s_kv, 576]`` (q's dtype, unit stride in the last dimension),
@@ -315,6 +316,9 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     The grid is persistent: a CTA an SM, each taking work items (programs x head blocks, longest
     programs first) from a counter as it finishes the last; ``_ctas`` (measurement only) sets the CTA
     count, e.g. one a work item (what a non-persistent launch does).
+    ``tile_kv``: the plan's columns renumbered (same shape and format, e.g. ``fp8_compact``'s), read in place
+    of ``plan.tile_kv``. ``run_if = (flag, value)``: the kernel does nothing unless the int32 ``flag[0]``
+    equals ``value`` when it starts (two launches, one chosen on the device).
     """
     if not partial and (out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8 or out.stride(1) % 8):
         raise ValueError("out must have a unit last stride, 16-byte alignment and row strides that are multiples of 8 "
@@ -342,7 +346,11 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     prm.skip = _skip
     if plan is not None:
         prog_tiles, prog_ntiles = plan.work_list(qp)
-        prm.tile_kv, prm.tile_mask = plan.tile_kv.data_ptr(), _ptr(plan.tile_mask)  # None: packed columns
+        cols = plan.tile_kv if tile_kv is None else tile_kv
+        if cols.shape != plan.tile_kv.shape or cols.dtype != torch.int32 or not cols.is_contiguous():
+            raise ValueError(f"tile_kv must be contiguous int32 {tuple(plan.tile_kv.shape)}, got {cols.dtype} "
+                             f"{tuple(cols.shape)}")
+        prm.tile_kv, prm.tile_mask = cols.data_ptr(), _ptr(plan.tile_mask)  # None: packed columns
         prm.prog_tiles, prm.prog_ntiles = prog_tiles.data_ptr(), prog_ntiles.data_ptr()
         prm.prog_order = plan.program_order(qp).data_ptr()  # longest programs first
         prm.prog_cap, prm.topk, prm.from_plan = prog_tiles.shape[1], plan.topk, 1
@@ -355,6 +363,11 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     ctas = min(int(_ctas), prm.n_work)
     counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream
     prm.work_counter = counter.data_ptr()
+    if run_if is not None:
+        flag, prm.run_when = run_if[0], int(run_if[1])
+        if flag.dtype != torch.int32 or flag.numel() < 1 or flag.device != q.device:
+            raise ValueError(f"run_if's flag must be an int32 tensor on q's device, got {flag.dtype} on {flag.device}")
+        prm.run_flag = flag.data_ptr()
     lib = _library()
     stream = torch.cuda.current_stream(q.device).cuda_stream
     reason = unsupported_reason(q, kv, D_V)
@@ -395,11 +408,44 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     q, kv = aligned_16(q), aligned_16(kv)
     if sm_scale <= 0:  # the kernel's running max assumes a positive scale: q.k s = (-q).k (-s), exactly
         q, sm_scale = (-q, -sm_scale) if sm_scale < 0 else (torch.zeros_like(q), 1.0)
-    if plan is None:
+    if kv.dtype == torch.uint8 and not FP8_IN_KERNEL and (plan is None or not plan.split_private):
+        launch_fp8_compact(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length,
+                           plan=plan, attn_sink=attn_sink)
+    elif plan is None:
         launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
     else:
         run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink)
     return out, max_logits, lse
+
+
+# FP8 pools of more rows than FP8_COMPACT_POOL have a call's referenced rows widened into a compact bf16 buffer
+# of FP8_COMPACT_ROWS rows (ops/fp8_compact.py; 1152 bytes a row, 144 MiB) instead of the whole pool expanded
+# (dispatch.kernel_kv); a call referencing more distinct rows widens them in the kernel instead.
+FP8_COMPACT_POOL = 1 << 19
+FP8_COMPACT_ROWS = 1 << 17
+
+
+def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
+                       attn_sink=None, cap: int | None = None) -> None:
+    """The kernel over an FP8 cache's referenced rows widened into a compact bf16 buffer (``fp8_compact``),
+    and, chosen on the device when they are more than ``cap`` (default ``FP8_COMPACT_ROWS``), over the cache
+    itself, widened in the kernel; no host sync. Not for split-private plans (their Triton pass reads the
+    cache's own rows)."""
+    from .fp8_compact import compact_fp8  # a Triton kernel module: imported when first used
+
+    cap = min(FP8_COMPACT_ROWS if cap is None else cap, cache.shape[0])
+    cache = cache.contiguous()
+    if plan is not None:
+        dense, cols, fits = compact_fp8(cache, plan.tile_kv, cap, packed=plan.tile_mask is None)
+        work = dict(plan=plan)
+        compact = dict(plan=plan, tile_kv=cols)
+    else:
+        indices = indices.contiguous()
+        dense, cols, fits = compact_fp8(cache, indices, cap, packed=False)
+        work = dict(indices=indices, topk_length=topk_length)
+        compact = dict(indices=cols, topk_length=topk_length)
+    launch(q, dense, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 1), **compact)
+    launch(q, cache, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 0), **work)
 
 
 def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None):

@@ -20,11 +20,13 @@ ROWS_PER_PROGRAM = 32
 
 
 @triton.jit
-def _expand_fp8_kernel(kv_ptr, kv_f32_ptr, kv_b16_ptr, out_ptr, s_kv, stride_out, BR: tl.constexpr,
-                       DV: tl.constexpr, DR: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    ok = rows < s_kv
+def _expand_fp8_kernel(kv_ptr, kv_f32_ptr, kv_b16_ptr, out_ptr, src_ptr, n_rows, stride_out, BR: tl.constexpr,
+                       DV: tl.constexpr, DR: tl.constexpr, GATHER: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR).to(tl.int64)  # (row x 1152 bytes passes 2^31 at 1.9M rows)
+    ok = rows < n_rows
     safe = tl.where(ok, rows, 0)
+    if GATHER:  # output row i widens cache row src[i]
+        safe = tl.load(src_ptr + safe, mask=ok, other=0)
     dtype = out_ptr.dtype.element_ty
     nope = _load_nope(kv_ptr, kv_f32_ptr, 0, safe, 0, True, BR, DV, dtype)
     tl.store(out_ptr + rows[:, None] * stride_out + tl.arange(0, DV)[None, :], nope, mask=ok[:, None])
@@ -32,22 +34,27 @@ def _expand_fp8_kernel(kv_ptr, kv_f32_ptr, kv_b16_ptr, out_ptr, s_kv, stride_out
     tl.store(out_ptr + rows[:, None] * stride_out + DV + tl.arange(0, DR)[None, :], rope, mask=ok[:, None])
 
 
-def expand_fp8(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def expand_fp8(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *, rows: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """``uint8 [s_kv, 656]`` FP8 cache -> dense ``[s_kv, 576]`` of ``dtype`` (one Triton launch on a GPU,
-    ``kv_cache.dequantize_fp8`` where Triton cannot run)."""
+    ``kv_cache.dequantize_fp8`` where Triton cannot run). ``rows`` (int32 ``[n]``, each in ``[0, s_kv)``):
+    only those rows, in that order, ``[n, 576]``."""
     if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != FP8_BYTES:
         raise ValueError(f"cache must be uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} {tuple(cache.shape)}")
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if rows is not None and (rows.dtype != torch.int32 or rows.dim() != 1 or rows.device != cache.device):
+        raise ValueError(f"rows must be int32 [n] on the cache's device, got {rows.dtype} {tuple(rows.shape)}")
     if cache.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return dequantize_fp8(cache, dtype)
+        return dequantize_fp8(cache if rows is None else cache[rows.long()], dtype)
     cache = cache.contiguous()
-    s_kv = cache.shape[0]
-    out = torch.empty(s_kv, D_QK, dtype=dtype, device=cache.device)
-    if s_kv:
-        _expand_fp8_kernel[(triton.cdiv(s_kv, ROWS_PER_PROGRAM),)](
-            cache, cache.view(torch.float32), cache.view(torch.bfloat16), out, s_kv, out.stride(0),
-            BR=ROWS_PER_PROGRAM, DV=D_NOPE, DR=D_QK - D_NOPE, num_warps=4)
+    n_rows = cache.shape[0] if rows is None else rows.shape[0]
+    out = torch.empty(n_rows, D_QK, dtype=dtype, device=cache.device)
+    if n_rows:
+        src = rows.contiguous() if rows is not None else out  # (unread without rows)
+        _expand_fp8_kernel[(triton.cdiv(n_rows, ROWS_PER_PROGRAM),)](
+            cache, cache.view(torch.float32), cache.view(torch.bfloat16), out, src, n_rows, out.stride(0),
+            BR=ROWS_PER_PROGRAM, DV=D_NOPE, DR=D_QK - D_NOPE, GATHER=rows is not None, num_warps=4)
     return out
 
 

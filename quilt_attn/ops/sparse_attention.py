@@ -41,6 +41,7 @@ def _load_nope(kv_ptr, kv_f32_ptr, stride_kv, rows, c0, FP8: tl.constexpr, BT: t
     """Latent columns ``c0 .. c0 + NC`` of ``BT`` gathered kv rows, ``[BT, NC]`` in DTYPE (FP8 dequantized);
     0 where not ``row_ok``."""
     cols = c0 + tl.arange(0, NC)
+    rows = rows.to(tl.int64)  # row x 656 bytes (or x stride) passes 2^31 in pools of 3.3M+ rows
     if FP8:
         # 656-byte rows: 512 e4m3 | 4 float32 scales (one per 128 values) | 64 bf16 rope
         raw = _gather(kv_ptr + rows[:, None] * 656 + cols[None, :], row_ok)
@@ -58,6 +59,7 @@ def _load_rope(kv_ptr, kv_b16_ptr, stride_kv, rows, FP8: tl.constexpr, DV: tl.co
                DTYPE: tl.constexpr, row_ok=None):
     """Rope columns ``[BT, DR]`` of the gathered rows (0 where not ``row_ok``)."""
     offs_r = tl.arange(0, DR)
+    rows = rows.to(tl.int64)  # (as in _load_nope)
     if FP8:
         kr = _gather(kv_b16_ptr + rows[:, None] * 328 + 264 + offs_r[None, :], row_ok).to(DTYPE)
     else:

@@ -63,6 +63,7 @@ using namespace quilt_ptx;
 template <typename T, typename OutT, bool kMma, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
+  if (p.run_flag != nullptr && __ldg(p.run_flag) != p.run_when) return;  // the other launch of a pair runs
   const int tid = threadIdx.x;
   // warpgroup index, visibly warp-uniform: ptxas serializes wgmma issued under a branch it cannot prove uniform
   const int wg = __shfl_sync(0xffffffff, tid / 128, 0);

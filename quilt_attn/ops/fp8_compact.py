@@ -1,0 +1,102 @@
+"""An FP8 pool's referenced rows widened into a compact bf16 buffer, once a call (Triton and torch, no sync).
+
+Expanding a whole FP8 pool costs ``s_kv x 1152`` bytes and a pass over it (4.6 GB and ~2 ms at 4M rows), and
+widening inside the CUDA kernel takes about twice the kernel's time (BENCHMARKS.md). A call reads far fewer
+distinct rows than a pool holds, so: mark the rows the call's columns reference (the plan's tile columns, or
+the query-parallel index lists), number them by a prefix sum, widen the first ``cap`` of them into a dense
+``[cap, 576]`` buffer, and rewrite the columns to the compact numbers. Nothing waits for the distinct-row
+count: ``fits`` (a one-element int32 tensor) says on the device whether it was at most ``cap``; the caller
+launches the kernel on the compact rows to run when it is 1 and the in-kernel widening to run when it is 0
+(``cuda_backend.launch``'s ``run_if``), so exactly one of them writes the outputs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv_cache import FP8_BYTES
+from .fp8_expand import expand_fp8
+
+PACK_ROW_BITS = 24  # a packed plan column: row | member bits << 24 (planner.plan.PACK_ROW_MASK)
+BLOCK = 1024
+
+
+@triton.jit
+def _row_of(w, s_kv, PACKED: tl.constexpr):
+    """A column word's kv row and whether it references one (padding -1, negative or >= s_kv: none)."""
+    if PACKED:
+        row = w & 0xFFFFFF
+        ok = (w != -1) & (row < s_kv)
+    else:
+        row = w
+        ok = (w >= 0) & (w < s_kv)
+    return row, ok
+
+
+@triton.jit
+def _mark_kernel(words_ptr, n, mark_ptr, s_kv, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(words_ptr + offs, mask=offs < n, other=-1)
+    row, ok = _row_of(w, s_kv, PACKED)
+    tl.store(mark_ptr + row, tl.full([BLOCK], 1, tl.int32), mask=ok & (offs < n))
+
+
+@triton.jit
+def _remap_kernel(words_ptr, n, incl_ptr, out_ptr, s_kv, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    w = tl.load(words_ptr + offs, mask=live, other=-1)
+    row, ok = _row_of(w, s_kv, PACKED)
+    pos = tl.load(incl_ptr + row, mask=ok & live, other=1) - 1  # the row's compact number
+    if PACKED:
+        new = pos | (w & -16777216)  # (-16777216: the member bits 0xFF000000)
+    else:
+        new = pos
+    # a column without a row keeps its word: past the compact buffer too (>= s_kv > cap), so still none
+    tl.store(out_ptr + offs, tl.where(ok, new, w), mask=live)
+
+
+def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: bool):
+    """Widen the rows of ``cache`` that ``words`` reference into a compact buffer.
+
+    Parameters
+    ----------
+    cache : uint8 ``[s_kv, 656]`` FP8 cache, contiguous.
+    words : int32 columns, contiguous (any shape): plan tile columns (``packed``: ``row | bits << 24``, -1
+        padding) or kv rows (query-parallel indices: negative or ``>= s_kv`` reference no row).
+    cap : rows of the compact buffer, ``1 <= cap <= s_kv``.
+
+    Returns
+    -------
+    dense : bf16 ``[cap, 576]``: compact row ``i`` is the ``i``-th referenced row in pool order (rows past
+        the referenced count hold some other row's values; no column reaches them while ``fits``).
+    remapped : int32 like ``words``: each referencing word with its row renumbered, the others unchanged.
+    fits : int32 ``[1]``, 1 when the call references at most ``cap`` distinct rows (else ``dense`` misses
+        some and the caller's other launch must run).
+    """
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != FP8_BYTES or not cache.is_contiguous():
+        raise ValueError(f"cache must be a contiguous uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+    if words.dtype != torch.int32 or not words.is_contiguous():
+        raise ValueError(f"words must be contiguous int32, got {words.dtype}")
+    s_kv = cache.shape[0]
+    if not isinstance(cap, int) or not 1 <= cap <= s_kv:
+        raise ValueError(f"cap must be an int in [1, s_kv={s_kv}], got {cap!r}")
+    if packed and s_kv > (1 << PACK_ROW_BITS) - 1:
+        raise ValueError(f"packed columns address fewer than 2^{PACK_ROW_BITS} rows, got s_kv={s_kv}")
+    n = words.numel()
+    mark = torch.zeros(s_kv, dtype=torch.int32, device=cache.device)
+    grid = (triton.cdiv(n, BLOCK),)
+    if n:
+        _mark_kernel[grid](words, n, mark, s_kv, PACKED=packed, BLOCK=BLOCK)
+    incl = torch.cumsum(mark, 0, dtype=torch.int32)  # referenced rows up to and including each row
+    fits = (incl[-1:] <= cap).to(torch.int32)
+    # compact row i is the first pool row where the count reaches i + 1
+    want = torch.arange(1, cap + 1, dtype=torch.int32, device=cache.device)
+    rows = torch.searchsorted(incl, want, out_int32=True).clamp_(max=s_kv - 1)
+    dense = expand_fp8(cache, rows=rows)
+    remapped = torch.empty_like(words)
+    if n:
+        _remap_kernel[grid](words, n, incl, remapped, s_kv, PACKED=packed, BLOCK=BLOCK)
+    return dense, remapped, fits
