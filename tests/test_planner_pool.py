@@ -481,3 +481,35 @@ def test_gpu_cuda_attention_on_pool_slot_ids(nan_poison, h, pool):
     for kw in (dict(), dict(plan=p)):
         got = sparse_prefill(q, kv, idx, backend="cuda", **kw)
         assert_matches_reference(got, sparse_prefill_reference(q, kv, idx), torch.bfloat16, what=f"h={h} {kw.keys()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+def test_gpu_rows_past_2_31_bytes_of_a_pool(nan_poison, kv_kind):
+    """Pools of 2^22 rows put rows past 2^31 bytes (a bf16 row is 1152, an FP8 row 656 bytes): the Triton
+    kernels, the FP8 expansion and the compaction address them in 64 bits (row x 656 in int32 wrapped and gave
+    NaN). Rows at the top of the pool, every path against the reference."""
+    from quilt_attn.ops.fp8_expand import expand_fp8
+    from quilt_attn.workloads import generate
+
+    pool, s_q, topk, h = 1 << 22, 64, 512, 16
+    idx = (generate("glm53-like", s_q, 4096, topk, seed=3).cuda() + (pool - 4096)).to(torch.int32)  # top rows
+    kv = torch.zeros(pool, 576, dtype=torch.bfloat16, device="cuda")
+    kv[pool - 4096:] = randn(4096, 576, seed=4, dtype=torch.bfloat16, device="cuda")
+    q = randn(s_q, h, 576, seed=5, dtype=torch.bfloat16, device="cuda")
+    if kv_kind == "fp8":
+        kv = quantize_fp8(kv)
+        top = torch.arange(pool - 8, pool, dtype=torch.int32, device="cuda")
+        assert torch.equal(expand_fp8(kv)[pool - 8:].view(torch.int16), dequantize_fp8(kv[pool - 8:]).view(torch.int16))
+        assert torch.equal(expand_fp8(kv, rows=top).view(torch.int16), dequantize_fp8(kv[pool - 8:]).view(torch.int16))
+    want = sparse_prefill_reference(q, kv, idx)
+    runs = {"triton": dict(backend="triton"), "triton query-parallel": dict(backend="triton", method="query_parallel")}
+    if kv_kind == "fp8":
+        runs["triton, rows dequantized on load"] = dict(backend="triton", _triton={"fp8_expand": False})
+        runs["cuda (compacted)"] = dict(backend="cuda")
+        runs["cuda (expanded)"] = dict(backend="cuda", _triton={"fp8_expand": True})
+    else:
+        runs["cuda"] = dict(backend="cuda")
+    for name, kw in runs.items():
+        assert_matches_reference(sparse_prefill(q, kv, idx, **kw), want, torch.bfloat16, what=name)
