@@ -6,7 +6,8 @@ loops over each query's list, each occurrence of a row counted, elementwise IEEE
 package's reference) -- within ``conftest.TOLERANCES``. Covered: ``sparse_prefill`` (``quilt``,
 ``query_parallel``, ``reference``; Triton), ``compat.flash_mla_sparse_fwd``, ``plan``, ``member_masks``,
 ``quantize_fp8`` / ``dequantize_fp8``, ``load_indices`` and ``sparse_prefill_reference``; on a GPU
-(marker ``gpu``) also the CUDA backend at the production shape (bf16, dense and FP8).
+(marker ``gpu``) also the CUDA backend at the production shape (bf16, dense and FP8, the FP8 pool path
+included).
 
 Drawn: head counts 1..128 (s_q tiny at high h), small d_v / d_rope (and the production 512 / 64 for the
 FP8 cache), s_kv from 0, views with strides (q heads, kv rows and columns, column-major or 3-D
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import KERNEL_DEVICE, KERNELS_CAN_RUN, TOLERANCES, prefill_kw, rel_l2
@@ -47,7 +48,7 @@ def fuzz(default: int):
     """Bounded hypothesis settings: ``default`` examples (``QUILT_FUZZ_EXAMPLES`` overrides), fixed sequence."""
     return settings(max_examples=_N or default, derandomize=True, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
+                                           HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
 
 
 kernels = pytest.mark.skipif(not KERNELS_CAN_RUN, reason="kernels need CUDA or TRITON_INTERPRET=1")
@@ -476,6 +477,22 @@ def test_sparse_prefill_fuzz(c, nan_poison):
 @given(c=cases(methods=("quilt", "query_parallel"), backend="cuda", dtype=torch.bfloat16, production=True))
 def test_cuda_backend_fuzz(c, nan_poison):
     """The sm_90a backend (production d_qk 576 / d_v 512, bf16, dense and FP8): the same properties."""
+    check_case(c, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@fuzz(40)
+@given(c=cases(methods=("quilt", "query_parallel"), backend="cuda", dtype=torch.bfloat16, production=True),
+       cap=st.sampled_from([1, 3, 64]))
+def test_cuda_backend_fp8_pool_fuzz(c, cap, nan_poison, monkeypatch):
+    """The same on the FP8 path of large pools: every FP8 pool treated as one above ``FP8_COMPACT_POOL``, its
+    referenced rows compacted into ``cap`` rows (1 and 3: most calls overflow them and run the widening
+    kernel, chosen on the device)."""
+    from quilt_attn.ops import cuda_backend
+
+    assume(c.kv.dtype == torch.uint8)
+    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 0)
+    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_ROWS", cap)
     check_case(c, torch.bfloat16)
 
 
