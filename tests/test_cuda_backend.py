@@ -319,6 +319,25 @@ def test_cuda_auto_picks_cuda_and_strided_q(nan_poison):
     assert_matches_reference(got, sparse_prefill_reference(q, kv, idx), BF16, what="strided q")
 
 
+def _fp8_case(h, method, s_q=192, s_kv=8192, topk=2048):
+    """An FP8 cache call's inputs with scales that are not powers of two (as an engine's amax / 448), invalid
+    entries, a short list, an empty query, topk_length and attn_sink; and its result on the expanded cache
+    (the pool is below ``FP8_COMPACT_POOL``): ``q, cache, idx, kw, want``."""
+    from quilt_attn import quantize_fp8
+
+    q, kv, idx = _inputs(h, s_q=s_q, s_kv=s_kv, topk=topk)
+    cache = quantize_fp8(kv)
+    cache[:, 512:528].view(torch.float32).mul_(1.37)
+    idx[5, :300] = -1
+    idx[6, 7] = s_kv + 5
+    idx[9] = -1
+    lengths = torch.randint(0, topk + 50, (s_q,), device="cuda", dtype=torch.int32,
+                            generator=torch.Generator(device="cuda").manual_seed(4))
+    sink = torch.linspace(-2, 3, h, device="cuda")
+    kw = dict(method=method, backend="cuda", topk_length=lengths, attn_sink=sink)
+    return q, cache, idx, kw, sparse_prefill(q, cache, idx, **kw)
+
+
 @gpu
 @on_hopper
 @pytest.mark.parametrize("h", [8, 16, 64, 128])
@@ -327,20 +346,10 @@ def test_cuda_fp8_cache_widened_in_kernel_equals_expanded(h, method, monkeypatch
     """FP8 cache rows widened in the kernel give the expanded cache's result bit for bit (the same bf16
     values: e4m3 x scale rounds once either way, scales not powers of two), with invalid entries, a short list, an empty query,
     topk_length and attn_sink; and the call allocates no copy of the cache (1152 bytes a row)."""
-    from quilt_attn import dequantize_fp8, quantize_fp8
+    from quilt_attn import dequantize_fp8
 
-    s_q, s_kv, topk = 192, 8192, 2048
-    q, kv, idx = _inputs(h, s_q=s_q, s_kv=s_kv, topk=topk)
-    cache = quantize_fp8(kv)
-    cache[:, 512:528].view(torch.float32).mul_(1.37)  # scales that are not powers of two, as an engine's (amax / 448)
-    idx[5, :300] = -1
-    idx[6, 7] = s_kv + 5
-    idx[9] = -1
-    lengths = torch.randint(0, topk + 50, (s_q,), device="cuda", dtype=torch.int32,
-                            generator=torch.Generator(device="cuda").manual_seed(4))
-    sink = torch.linspace(-2, 3, h, device="cuda")
-    kw = dict(method=method, backend="cuda", topk_length=lengths, attn_sink=sink)
-    want = sparse_prefill(q, cache, idx, **kw)
+    q, cache, idx, kw, want = _fp8_case(h, method)
+    s_q, s_kv, lengths, sink = q.shape[0], cache.shape[0], kw["topk_length"], kw["attn_sink"]
     monkeypatch.setattr(cuda_backend, "FP8_IN_KERNEL", True)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -367,22 +376,12 @@ def test_cuda_fp8_pool_compacted_equals_expanded(h, method, cap, monkeypatch, na
     buffer (or, when they are more than ``FP8_COMPACT_ROWS``, the launch chosen on the device widens them in
     the kernel) and gives the expanded pool's result bit for bit, with invalid entries, an empty query,
     topk_length and attn_sink."""
-    from quilt_attn import dequantize_fp8, quantize_fp8
+    from quilt_attn import dequantize_fp8
 
-    s_q, s_kv, topk = 192, 8192, 2048
-    q, kv, idx = _inputs(h, s_q=s_q, s_kv=s_kv, topk=topk)
-    cache = quantize_fp8(kv)
-    cache[:, 512:528].view(torch.float32).mul_(1.37)
-    idx[5, :300] = -1
-    idx[6, 7] = s_kv + 5
-    idx[9] = -1
-    lengths = torch.randint(0, topk + 50, (s_q,), device="cuda", dtype=torch.int32,
-                            generator=torch.Generator(device="cuda").manual_seed(4))
-    sink = torch.linspace(-2, 3, h, device="cuda")
-    kw = dict(method=method, backend="cuda", topk_length=lengths, attn_sink=sink)
-    want = sparse_prefill(q, cache, idx, **kw)  # the pool expanded (below FP8_COMPACT_POOL)
+    q, cache, idx, kw, want = _fp8_case(h, method)
+    lengths, sink = kw["topk_length"], kw["attn_sink"]
     monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 1024)
-    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_ROWS", 6000 if cap == "fits" else 256)
+    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_ROWS", cache.shape[0] if cap == "fits" else 256)
     got = sparse_prefill(q, cache, idx, **kw)
     for a, b, name in zip(got, want, ("out", "max_logits", "lse")):
         assert torch.equal(a, b), f"{method} h={h} {cap}: {name} differs from the expanded pool's"
