@@ -50,8 +50,8 @@ UNMEASURED_CHANGES = [
     "section: the kernel rows unchanged);",
     "the CUDA backend's availability check is cached (host time of a call 0.56 -> 0.34 ms at s_q 4096, h = 16; "
     "measured in the engine-shape section);",
-    "the Triton kernels address gathered kv rows in 64 bits (pools of 3.3M+ FP8 or 3.7M+ bf16 rows wrapped in "
-    "int32; not measured: the Triton rows of the grid predate it);",
+    "the Triton kernels address gathered kv rows and q rows in 64 bits (pools of 3.3M+ FP8 or 3.7M+ bf16 rows, "
+    "and s_q x h x 576 past 2^31, wrapped in int32; not measured: the Triton rows of the grid predate it);",
     "the CUDA kernel returns at once when a launch's device flag says the other launch of a pair runs (a null "
     "check otherwise; the FP8-cache section's bf16-kernel rows ran with it).",
 ]

@@ -116,7 +116,7 @@ def _sparse_attention_kernel(
     c_own = vs * DVS
     c_oth = DVS - c_own
     offs_o = c_own + tl.arange(0, DVS)
-    q_base = q_ptr + qrow[:, None] * stride_qs + hrow[:, None] * stride_qh
+    q_base = q_ptr + qrow[:, None].to(tl.int64) * stride_qs + hrow[:, None] * stride_qh  # (s_q x h x 576: past 2^31)
     q_a = tl.load(q_base + offs_o[None, :])
     if DVS < DV:
         q_b = tl.load(q_base + c_oth + tl.arange(0, DVS)[None, :])
