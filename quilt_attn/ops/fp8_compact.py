@@ -16,29 +16,18 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import FP8_BYTES
+from ..planner.buffers import PACK_ROW_MASK
 from .fp8_expand import expand_fp8
+from .sparse_attention import column_row
 
-PACK_ROW_BITS = 24  # a packed plan column: row | member bits << 24 (planner.plan.PACK_ROW_MASK)
 BLOCK = 1024
-
-
-@triton.jit
-def _row_of(w, s_kv, PACKED: tl.constexpr):
-    """A column word's kv row and whether it references one (padding -1, negative or >= s_kv: none)."""
-    if PACKED:
-        row = w & 0xFFFFFF
-        ok = (w != -1) & (row < s_kv)
-    else:
-        row = w
-        ok = (w >= 0) & (w < s_kv)
-    return row, ok
 
 
 @triton.jit
 def _mark_kernel(words_ptr, n, mark_ptr, s_kv, PACKED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     w = tl.load(words_ptr + offs, mask=offs < n, other=-1)
-    row, ok = _row_of(w, s_kv, PACKED)
+    row, ok = column_row(w, s_kv, PACKED)
     tl.store(mark_ptr + row, tl.full([BLOCK], 1, tl.int32), mask=ok & (offs < n))
 
 
@@ -47,7 +36,7 @@ def _remap_kernel(words_ptr, n, incl_ptr, out_ptr, s_kv, PACKED: tl.constexpr, B
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     w = tl.load(words_ptr + offs, mask=live, other=-1)
-    row, ok = _row_of(w, s_kv, PACKED)
+    row, ok = column_row(w, s_kv, PACKED)
     pos = tl.load(incl_ptr + row, mask=ok & live, other=1) - 1  # the row's compact number
     if PACKED:
         new = pos | (w & -16777216)  # (-16777216: the member bits 0xFF000000)
@@ -83,8 +72,8 @@ def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: b
     s_kv = cache.shape[0]
     if not isinstance(cap, int) or not 1 <= cap <= s_kv:
         raise ValueError(f"cap must be an int in [1, s_kv={s_kv}], got {cap!r}")
-    if packed and s_kv > (1 << PACK_ROW_BITS) - 1:
-        raise ValueError(f"packed columns address fewer than 2^{PACK_ROW_BITS} rows, got s_kv={s_kv}")
+    if packed and s_kv > PACK_ROW_MASK:
+        raise ValueError(f"packed columns address at most {PACK_ROW_MASK} rows, got s_kv={s_kv}")
     n = words.numel()
     mark = torch.zeros(s_kv, dtype=torch.int32, device=cache.device)
     grid = (triton.cdiv(n, BLOCK),)

@@ -25,6 +25,20 @@ LAST_COMPILED: dict = {}
 
 
 @triton.jit
+def column_row(w, s_kv, PACKED: tl.constexpr):
+    """A plan column word's (or an index entry's) kv row and whether it names one. ``PACKED``: ``row | member
+    bits << 24``, whose row field 0xFFFFFF (``planner.PACK_ROW_MASK``, the padding word -1's) is never a row;
+    else the row itself, negative or ``>= s_kv`` naming none."""
+    if PACKED:
+        row = w & 0xFFFFFF
+        ok = (row < s_kv) & (row != 0xFFFFFF)
+    else:
+        row = w
+        ok = (w >= 0) & (w < s_kv)
+    return row, ok
+
+
+@triton.jit
 def _gather(ptrs, row_ok):
     """``tl.load`` of gathered rows ``[BT, n]``; rows that are not ``row_ok`` (padding, invalid; None: all
     are valid) read as 0 without touching memory, so no unselected value (a NaN) enters a product."""
@@ -148,20 +162,17 @@ def _sparse_attention_kernel(
     for it in range(0, n_iter):
         if FROM_PLAN:
             t = tl.load(prog_tiles_ptr + pid * prog_cap + it).to(tl.int64)
-            if PACKED:  # row | mask << 24; padding (-1) has the row field 0xFFFFFF, never a row of the plan
-                w = tl.load(tile_kv_ptr + t * BT + cols)
-                kidx = w & 0xFFFFFF
+            w = tl.load(tile_kv_ptr + t * BT + cols)
+            kidx, col_ok = column_row(w, s_kv, PACKED)
+            if PACKED:  # the member bits ride in the word
                 cmask = (w >> 24) & 0xFF
-                col_ok = (kidx < s_kv) & (kidx != 0xFFFFFF)
             else:
-                kidx = tl.load(tile_kv_ptr + t * BT + cols)
                 cmask = tl.load(tile_mask_ptr + t * BT + cols)
-                col_ok = (kidx >= 0) & (kidx < s_kv)
             own = (((cmask[None, :] >> member_bit[:, None]) & 1) != 0) & col_ok[None, :]
         else:
             pos = it * BT + cols
             kidx = tl.load(idx_ptr + q0.to(tl.int64) * stride_idx + pos, mask=pos < n_valid, other=-1)
-            col_ok = (kidx >= 0) & (kidx < s_kv)
+            kidx, col_ok = column_row(kidx, s_kv, False)
             own = col_ok[None, :] & (qi[:, None] >= 0)
         rows = tl.where(col_ok, kidx, 0).to(tl.int64)
         if SKIP_KV:
