@@ -77,7 +77,38 @@ def main(argv=None, prog=None) -> int:
         rows.append(dict(h=h, plan=use_plan, dtype=str(dtype), kv=str(kv_dtype), ctas=ctas, rel_err=err, nan=nan,
                          strict_sync=a.strict_sync))
         print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} kv {str(kv_dtype):<15} rel-L2 {err:.2e}  nan={nan}")
+    rows.append(repair_queue_case(idx_cpu, kv))
     return verdict(rows, a.out)
+
+
+def repair_queue_case(idx_cpu, kv) -> dict:
+    """The epilogue's repair queue (``Params::repair``): a NaN in kv rows that one query selects reaches its tile
+    partners, whose queries the kernel queues, each once (only the CUDA kernel runs: the queue is checked here,
+    not repaired). A row: ``rel_err`` 0 when the queue holds exactly the queries whose output has a NaN."""
+    from quilt_attn.ops.sparse_attention import repair_buffer
+
+    s_q, h = idx_cpu.shape[0], 16
+    counts = torch.bincount(idx_cpu[idx_cpu >= 0].long(), minlength=kv.shape[0])
+    kv = kv.clone()
+    kv[(counts == 1).nonzero().flatten()[:2].cuda(), 5] = float("nan")
+    q = torch.randn(s_q, h, 576, dtype=kv.dtype, device="cuda")
+    p_ = make_plan(idx_cpu, s_kv=kv.shape[0], merge_level=program_shape(h, 8)[0], split_private=False, backend="torch")
+    p_ = type(p_)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p_.__dict__.items()
+                     if not k.startswith("_")})
+    out = torch.full((s_q, h, 512), float("nan"), dtype=kv.dtype, device="cuda")
+    ml, lse = torch.empty(s_q, h, device="cuda"), torch.empty(s_q, h, device="cuda")
+    buf = repair_buffer(s_q, "cuda")
+    cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, plan=p_, repair=buf, _ctas=3)
+    torch.cuda.synchronize()
+    buf = buf.cpu()
+    n = int(buf[0])
+    queued = sorted(buf[1 + s_q:1 + s_q + n].tolist())
+    want = sorted(out.isnan().flatten(1).any(1).nonzero().flatten().tolist())
+    flags = sorted(buf[1:1 + s_q].nonzero().flatten().tolist())
+    ok = queued == want == flags and len(want) > 0
+    print(f"repair queue: {n} queued, {len(want)} queries with a NaN, flags {len(flags)}: {'OK' if ok else 'DIFFER'}")
+    return dict(h=h, plan=True, dtype=str(kv.dtype), kv="bf16 with NaN rows", ctas=3, rel_err=0.0 if ok else 1.0,
+                nan=False, strict_sync=False, queued=n)
 
 
 def verdict(rows: list[dict], out: str | None) -> int:

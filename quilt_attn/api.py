@@ -169,7 +169,9 @@ def sparse_prefill(
     if decision.quilt and plan is None:
         pkw = dispatch.plan_settings(h, backend, settings)
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)
-    work = dict(plan=plan) if decision.quilt else dict(indices=indices, topk_length=topk_length)
+    work = dict(indices=indices, topk_length=topk_length)  # (with a plan: for its repair pass)
+    if decision.quilt:
+        work["plan"] = plan
     if decision.kernel == "cuda":
         out, max_logits, lse = launch_sparse_attention_cuda(q, kv, sm_scale, d_v, attn_sink=attn_sink, **work)
     else:

@@ -218,12 +218,12 @@ def cuda_stand_in(monkeypatch):
     seen = []
 
     def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-                 attn_sink=None, partial=False):
+                 attn_sink=None, partial=False, repair=None):
         assert kv.dim() == 2 and (kv.dtype == q.dtype or (kv.dtype == torch.uint8 and cuda_backend.FP8_IN_KERNEL)), \
             "the CUDA kernel reads dense kv of q's dtype (or, widened in the kernel, the FP8 cache)"
         seen.append(plan)
         _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
-                plan=plan, attn_sink=None if partial else attn_sink, partial=partial)
+                plan=plan, attn_sink=None if partial else attn_sink, partial=partial, repair=repair)
 
     monkeypatch.setattr(cuda_backend, "launch", stand_in)
     monkeypatch.setattr(cuda_backend, "TILE", 16)

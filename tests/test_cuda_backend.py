@@ -17,6 +17,7 @@ from quilt_attn import plan as make_plan
 from quilt_attn import PlanSettings, sparse_prefill, sparse_prefill_reference
 from quilt_attn.dispatch import choose_backend
 from quilt_attn.ops import cuda_backend
+from quilt_attn.ops.shapes import program_shape
 
 BF16 = torch.bfloat16
 
@@ -206,7 +207,6 @@ def test_build_hash_covers_every_kernel_source():
 def test_program_heads_are_powers_of_two():
     """The kernel splits a program's rows into query and head with shifts (q copies, epilogue): the
     program shape must give a power-of-two head block, at most 64 rows, for every head count and group."""
-    from quilt_attn.ops.sparse_attention import program_shape
 
     for G in (1, 2, 4, 8, 16):
         for h in range(1, 129):
@@ -249,7 +249,6 @@ def test_cuda_persistent_ctas_hand_over_programs(h, use_plan):
     """A CTA runs program after program (q, barrier phases and the work counter carried over): any CTA
     count gives the reference result, bit-identical to one CTA a work item. Empty programs (no tiles: q's
     shared memory is released by the epilogue instead of the last QK) sit between full ones."""
-    from quilt_attn.ops.sparse_attention import program_shape
 
     q, kv, idx = _inputs(h, s_q=200)  # s_q not a multiple of the group: a partial last group
     idx[7, :100] = -1  # a short list, and rows past the context
@@ -409,6 +408,52 @@ def test_cuda_fp8_cache_widened_in_kernel_split_plan_and_pool(monkeypatch, nan_p
     gidx = torch.where(idx >= 0, slots[idx.clamp_min(0).long()].to(torch.int32), idx)
     got = sparse_prefill(q, pool, gidx, backend="cuda")
     assert_matches_reference(got, sparse_prefill_reference(q, cache, idx), BF16, what="fp8 pool of 4M rows")
+
+
+@gpu
+@on_hopper
+@pytest.mark.parametrize("h", [8, 16])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_pool", "split"])
+def test_cuda_nonfinite_row_reaches_only_its_queries(h, kind, monkeypatch, nan_poison):
+    """NaN / inf in kv rows that one or two queries select: under QUILT every row of a program's tile is
+    multiplied by all its queries' weights (0 for the partners, and 0 x inf is NaN). Without the repair pass
+    the partners get NaN (checked on the raw launch); the call gives them the reference result, and the
+    selecting queries their NaN. bf16, the FP8 cache (expanded, and compacted as in a large pool), and a
+    split-private plan (rows two queries share stay in the CUDA tiles, the Triton pass writes the outputs)."""
+    from quilt_attn import quantize_fp8
+
+    q, kv, idx = _inputs(h)
+    counts = torch.bincount(idx[idx >= 0].long(), minlength=kv.shape[0])
+    rows = torch.cat([(counts == 1).nonzero().flatten()[:2], (counts == 2).nonzero().flatten()[:2]])
+    owner = (idx[:, :, None] == rows).any(2).any(1)
+    assert 0 < int(owner.sum()) <= 6
+    if kind in ("fp8", "fp8_pool"):
+        kv = quantize_fp8(kv)
+        kv[rows[0::2], 7] = 0x7F  # an e4m3 NaN
+        bad = kv[rows[1::2]]
+        bad[:, 516:520].view(torch.float32)[:] = float("inf")  # the scale of values 128..255
+        bad[:, 534:536].view(torch.bfloat16)[:] = float("inf")  # rope value 3
+        kv[rows[1::2]] = bad
+        if kind == "fp8_pool":
+            monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 1024)
+    else:
+        kv[rows[0::2], 7] = float("nan")
+        kv[rows[1::2], 200] = float("inf")
+        kv[rows[1::2], 520] = float("inf")
+    kw = dict(backend="cuda")
+    if kind == "split":
+        kw["plan"] = make_plan(idx, s_kv=kv.shape[0], merge_level=program_shape(h, 8)[0], split_private=True)
+    want = sparse_prefill_reference(q, kv, idx)
+    got = sparse_prefill(q, kv, idx, **kw)
+    keep = ~owner
+    assert torch.isnan(got[0][owner]).any(), "the selecting queries keep their NaN"
+    assert_matches_reference(tuple(t[keep] for t in got), tuple(t[keep] for t in want), BF16, what=kind)
+    if kind == "bf16":  # the raw launch (no repair pass) shows what the repair is for
+        p = make_plan(idx, s_kv=kv.shape[0], merge_level=program_shape(h, 8)[0], split_private=False)
+        out = torch.empty(q.shape[0], h, 512, dtype=BF16, device="cuda")
+        ml, lse = (torch.empty(q.shape[0], h, device="cuda") for _ in range(2))
+        cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, plan=p)
+        assert torch.isnan(out[keep]).any(), "no partner saw a NaN: the case does not reach a shared tile"
 
 
 @gpu

@@ -49,7 +49,7 @@ class _Params(ctypes.Structure):
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "h", "topk", "prog_cap", "group_size", "qp", "hb",
                                              "from_plan", "n_work", "nhb")]
     _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int),
-                 ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int)]
+                 ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int), ("repair", ctypes.c_void_p)]
 
 
 class _PlanParams(ctypes.Structure):
@@ -306,7 +306,8 @@ def work_items(h: int, s_q: int, plan=None) -> int:
 
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-           partial: bool = False, tile_kv=None, run_if=None, _skip: int = 0, _ctas: int | None = None) -> None:
+           partial: bool = False, tile_kv=None, run_if=None, repair=None, _skip: int = 0,
+           _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
 
     ``q [s_q, h, 576]``, ``kv [s_kv, 576]`` (q's dtype, unit stride in the last dimension),
@@ -318,7 +319,9 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     count, e.g. one a work item (what a non-persistent launch does).
     ``tile_kv``: the plan's columns renumbered (same shape and format, e.g. ``fp8_compact``'s), read in place
     of ``plan.tile_kv``. ``run_if = (flag, value)``: the kernel does nothing unless the int32 ``flag[0]``
-    equals ``value`` when it starts (two launches, one chosen on the device).
+    equals ``value`` when it starts (two launches, one chosen on the device). ``repair``: the call's repair queue
+    (``sparse_attention.repair_buffer``), into which a pass that writes the final outputs queues every query
+    whose output holds a NaN (``run_plan_passes``).
     """
     if not partial and (out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8 or out.stride(1) % 8):
         raise ValueError("out must have a unit last stride, 16-byte alignment and row strides that are multiples of 8 "
@@ -368,6 +371,8 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         if flag.dtype != torch.int32 or flag.numel() < 1 or flag.device != q.device:
             raise ValueError(f"run_if's flag must be an int32 tensor on q's device, got {flag.dtype} on {flag.device}")
         prm.run_flag = flag.data_ptr()
+    if repair is not None and not partial:
+        prm.repair = repair.data_ptr()
     lib = _library()
     stream = torch.cuda.current_stream(q.device).cuda_stream
     reason = unsupported_reason(q, kv, D_V)
@@ -398,7 +403,8 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     """Allocate outputs and run the CUDA kernel (the counterpart of ``launch_sparse_attention``).
 
     A plan that split private rows off runs its shared tiles here (float32 partial state) and the
-    private rows in the Triton query pass that continues that state.
+    private rows in the Triton query pass that continues that state. ``indices`` (and ``topk_length``) given
+    with a plan: the ones it was built from, for the repair pass (``sparse_attention.run_plan_passes``).
     """
     from .sparse_attention import alloc_outputs  # a Triton kernel module: imported when first used
 
@@ -408,13 +414,14 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     q, kv = aligned_16(q), aligned_16(kv)
     if sm_scale <= 0:  # the kernel's running max assumes a positive scale: q.k s = (-q).k (-s), exactly
         q, sm_scale = (-q, -sm_scale) if sm_scale < 0 else (torch.zeros_like(q), 1.0)
-    if kv.dtype == torch.uint8 and not FP8_IN_KERNEL and (plan is None or not plan.split_private):
+    if plan is not None:
+        run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink,
+                             repair_from=None if indices is None else (indices, topk_length))
+    elif _compacts(kv):
         launch_fp8_compact(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length,
-                           plan=plan, attn_sink=attn_sink)
-    elif plan is None:
-        launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+                           attn_sink=attn_sink)
     else:
-        run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink)
+        launch(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
     return out, max_logits, lse
 
 
@@ -425,12 +432,19 @@ FP8_COMPACT_POOL = 1 << 19
 FP8_COMPACT_ROWS = 1 << 17
 
 
+def _compacts(kv) -> bool:
+    """Whether a pass over ``kv`` (as ``dispatch.kernel_kv`` gives it) runs on its compacted rows: an FP8 cache
+    not widened in the kernel (``FP8_IN_KERNEL``). Not for the tiles of split-private plans: their Triton
+    pass reads the cache's own rows."""
+    return kv.dtype == torch.uint8 and not FP8_IN_KERNEL
+
+
 def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-                       attn_sink=None, cap: int | None = None) -> None:
+                       attn_sink=None, cap: int | None = None, repair=None) -> None:
     """The kernel over an FP8 cache's referenced rows widened into a compact bf16 buffer (``fp8_compact``),
     and, chosen on the device when they are more than ``cap`` (default ``FP8_COMPACT_ROWS``), over the cache
     itself, widened in the kernel; no host sync. Not for split-private plans (their Triton pass reads the
-    cache's own rows)."""
+    cache's own rows). ``repair``: as in ``launch``."""
     from .fp8_compact import compact_fp8  # a Triton kernel module: imported when first used
 
     cap = min(FP8_COMPACT_ROWS if cap is None else cap, cache.shape[0])
@@ -444,15 +458,20 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
         dense, cols, fits = compact_fp8(cache, indices, cap, packed=False)
         work = dict(indices=indices, topk_length=topk_length)
         compact = dict(indices=cols, topk_length=topk_length)
-    launch(q, dense, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 1), **compact)
-    launch(q, cache, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 0), **work)
+    launch(q, dense, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 1), repair=repair, **compact)
+    launch(q, cache, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 0), repair=repair, **work)
 
 
-def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None):
-    """``sparse_attention.run_plan_passes`` with this kernel running the plan's tiles."""
+def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, repair_from=None):
+    """``sparse_attention.run_plan_passes`` with this kernel running the plan's tiles (an FP8 cache's on its
+    compacted rows, ``_compacts``, but for the partial pass of a split-private plan)."""
     from .sparse_attention import run_plan_passes
 
-    def tile_pass(o, m, l, partial):
-        launch(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, partial=partial)
+    def tile_pass(o, m, l, partial, repair):
+        if _compacts(kv) and not partial:
+            launch_fp8_compact(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, repair=repair)
+        else:
+            launch(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, partial=partial, repair=repair)
 
-    run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, tile_pass=tile_pass)
+    run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, tile_pass=tile_pass,
+                    repair_from=repair_from)

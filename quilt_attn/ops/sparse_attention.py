@@ -93,25 +93,28 @@ def _synthetic_kv(rows, c0, BT: tl.constexpr, NC: tl.constexpr, DTYPE: tl.conste
 
 
 @triton.jit
-def _sparse_attention_kernel(
-    q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr,
-    idx_ptr, len_ptr,  # query-parallel: indices [s_q, topk], optional topk_length [s_q]
-    tile_kv_ptr, tile_mask_ptr, prog_tiles_ptr, prog_ntiles_ptr,  # QUILT plan
-    sink_ptr, out_ptr, maxl_ptr, lse_ptr,
-    init_o_ptr, init_m_ptr, init_lse_ptr,  # HAS_INIT: online-softmax state to continue from (fp32)
-    s_q, s_kv, h, topk, prog_cap,
-    stride_qs, stride_qh, stride_kv, stride_idx, stride_os, stride_oh,
-    sm_scale2,
+def _flag_for_repair(repair_ptr, s_q, qrow, bad):
+    """Queue the queries of the rows ``bad`` for the repair pass, each once: ``repair_ptr`` int32
+    ``[1 + 2 s_q]`` = count, a flag a query, the queued queries (``repair_buffer``)."""
+    old = tl.atomic_xchg(repair_ptr + 1 + qrow, 1, mask=bad)
+    first = bad & (old == 0)
+    slot = tl.atomic_add(repair_ptr + qrow * 0, 1, mask=first)
+    tl.store(repair_ptr + 1 + s_q + slot, qrow, mask=first)
+
+
+@triton.jit
+def _program(
+    pid, hb, vs,  # the program, its head block, its slice of the value columns (DVS wide)
+    q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr, idx_ptr, len_ptr, tile_kv_ptr, tile_mask_ptr, prog_tiles_ptr,
+    prog_ntiles_ptr, sink_ptr, out_ptr, maxl_ptr, lse_ptr, init_o_ptr, init_m_ptr, init_lse_ptr, repair_ptr,
+    s_q, s_kv, h, topk, prog_cap, stride_qs, stride_qh, stride_kv, stride_idx, stride_os, stride_oh, sm_scale2,
     FROM_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, FP8: tl.constexpr,
-    HAS_INIT: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
+    HAS_INIT: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr, FLAG_NAN: tl.constexpr,
     G: tl.constexpr, QP: tl.constexpr, HB: tl.constexpr, BT: tl.constexpr,
-    DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr,
-    SKIP_KV: tl.constexpr = False,  # timing study only: kv tiles from registers, no kv loads (wrong outputs)
+    DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr, SKIP_KV: tl.constexpr,
 ):
+    """One program of the kernel below: its rows' attention over its tiles, written out."""
     M: tl.constexpr = QP * HB
-    pid = tl.program_id(0)
-    hb = tl.program_id(1)
-    vs = tl.program_id(2)  # which DVS-wide slice of the value columns this program accumulates
     NSUB: tl.constexpr = G // QP
     g = pid // NSUB
     sub = pid % NSUB
@@ -209,11 +212,51 @@ def _sparse_attention_kernel(
         fac = 1.0 / (1.0 + tl.exp(sink - lse * 0.6931471805599453))
         o = o * tl.where(empty, 0.0, fac)[:, None]
     o = tl.where(empty[:, None], 0.0, o)
+    if FLAG_NAN:  # a NaN may be a shared tile's 0 x inf from a partner's row: the repair pass redoes the query
+        _flag_for_repair(repair_ptr, s_q, qrow, (tl.max((o != o).to(tl.int32), 1) > 0) & row_ok)
     out_base = out_ptr + qrow[:, None].to(tl.int64) * stride_os + hrow[:, None] * stride_oh
     tl.store(out_base + offs_o[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if vs == 0:
         tl.store(maxl_ptr + qrow * h + hrow, m_i, mask=row_ok)
         tl.store(lse_ptr + qrow * h + hrow, lse, mask=row_ok)
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr,
+    idx_ptr, len_ptr,  # query-parallel: indices [s_q, topk], optional topk_length [s_q]
+    tile_kv_ptr, tile_mask_ptr, prog_tiles_ptr, prog_ntiles_ptr,  # QUILT plan
+    sink_ptr, out_ptr, maxl_ptr, lse_ptr,
+    init_o_ptr, init_m_ptr, init_lse_ptr,  # HAS_INIT: online-softmax state to continue from (fp32)
+    repair_ptr,  # FLAG_NAN / REPAIR: the repair queue (repair_buffer)
+    s_q, s_kv, h, topk, prog_cap,
+    stride_qs, stride_qh, stride_kv, stride_idx, stride_os, stride_oh,
+    sm_scale2,
+    FROM_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, FP8: tl.constexpr,
+    HAS_INIT: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
+    G: tl.constexpr, QP: tl.constexpr, HB: tl.constexpr, BT: tl.constexpr,
+    DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr,
+    FLAG_NAN: tl.constexpr = False,  # queue the queries whose output holds a NaN for the repair pass
+    REPAIR: tl.constexpr = False,  # query programs over the queued queries only (persistent over the queue)
+    SKIP_KV: tl.constexpr = False,  # timing study only: kv tiles from registers, no kv loads (wrong outputs)
+):
+    if REPAIR:  # (the program body written out twice: Triton cannot unpack an argument tuple)
+        for i in range(tl.program_id(0), tl.load(repair_ptr), tl.num_programs(0)):
+            _program(tl.load(repair_ptr + 1 + s_q + i), tl.program_id(1), tl.program_id(2),
+                     q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr, idx_ptr, len_ptr, tile_kv_ptr, tile_mask_ptr,
+                     prog_tiles_ptr, prog_ntiles_ptr, sink_ptr, out_ptr, maxl_ptr, lse_ptr, init_o_ptr, init_m_ptr,
+                     init_lse_ptr, repair_ptr, s_q, s_kv, h, topk, prog_cap, stride_qs, stride_qh, stride_kv,
+                     stride_idx, stride_os, stride_oh, sm_scale2,
+                     FROM_PLAN, HAS_LEN, HAS_SINK, FP8, HAS_INIT, PARTIAL, PACKED, False,
+                     G, QP, HB, BT, DV, DR, DVS, SKIP_KV)
+    else:
+        _program(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                 q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr, idx_ptr, len_ptr, tile_kv_ptr, tile_mask_ptr,
+                 prog_tiles_ptr, prog_ntiles_ptr, sink_ptr, out_ptr, maxl_ptr, lse_ptr, init_o_ptr, init_m_ptr,
+                 init_lse_ptr, repair_ptr, s_q, s_kv, h, topk, prog_cap, stride_qs, stride_qh, stride_kv,
+                 stride_idx, stride_os, stride_oh, sm_scale2,
+                 FROM_PLAN, HAS_LEN, HAS_SINK, FP8, HAS_INIT, PARTIAL, PACKED, FLAG_NAN,
+                 G, QP, HB, BT, DV, DR, DVS, SKIP_KV)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -228,8 +271,11 @@ def default_config(rows: int) -> tuple[int, int]:
 
 def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
             attn_sink=None, init=None, partial=False, dv_split=1, num_warps=None, num_stages=None,
-            _skip_kv=False):
+            repair=None, repair_pass=False, _skip_kv=False):
     """One kernel pass over ``plan``'s tiles or, without a plan, over ``indices`` query by query.
+
+    ``repair`` (``repair_buffer``): this pass queues the queries whose output holds a NaN; with
+    ``repair_pass``, it is the pass over the queued queries instead (query programs over ``indices``).
 
     ``_skip_kv`` (private, timing studies): the kernel reads no kv rows and multiplies synthetic
     tiles instead, so its time is compute + softmax + index reads; the outputs are meaningless.
@@ -254,7 +300,7 @@ def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_le
     else:
         prog_tiles = prog_ntiles = tile_kv = tile_mask = dummy
         prog_cap, bt = 0, 64
-        grid = (s_q, triton.cdiv(h, HB), dv_split)
+        grid = (repair_programs(q.device, s_q) if repair_pass else s_q, triton.cdiv(h, HB), dv_split)
         idx, topk = indices, indices.shape[1]
     init_o, init_m, init_lse = init if init is not None else (out, max_logits, lse)
     compiled = _sparse_attention_kernel[grid](
@@ -262,7 +308,7 @@ def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_le
         idx, topk_length if topk_length is not None else dummy,
         tile_kv, tile_mask, prog_tiles, prog_ntiles,
         attn_sink if attn_sink is not None else max_logits, out, max_logits, lse,
-        init_o, init_m, init_lse,
+        init_o, init_m, init_lse, repair if repair is not None else dummy,
         s_q, kv.shape[0], h, topk, prog_cap,
         q.stride(0), q.stride(1), 0 if fp8 else kv.stride(0), idx.stride(0) if plan is None else 0,
         out.stride(0), out.stride(1),
@@ -270,7 +316,8 @@ def _launch(q, kv, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_le
         FROM_PLAN=plan is not None, HAS_LEN=topk_length is not None and plan is None,
         HAS_SINK=attn_sink is not None, FP8=fp8, HAS_INIT=init is not None, PARTIAL=partial,
         PACKED=plan is not None and plan.packed,
-        G=G, QP=QP, HB=HB, BT=bt, DV=d_v, DR=d_qk - d_v, DVS=d_v // dv_split, SKIP_KV=bool(_skip_kv),
+        G=G, QP=QP, HB=HB, BT=bt, DV=d_v, DR=d_qk - d_v, DVS=d_v // dv_split,
+        FLAG_NAN=repair is not None and not repair_pass and not partial, REPAIR=repair_pass, SKIP_KV=bool(_skip_kv),
         num_warps=num_warps, num_stages=num_stages,
     )
     LAST_COMPILED["kernel"] = compiled  # registers / spills, for benchmarks
@@ -283,7 +330,9 @@ def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=N
     ``q [s_q, h, d_qk]``; ``kv`` dense ``[s_kv, d_qk]`` of q's dtype or FP8 ``uint8 [s_kv, 656]``.
     Without a plan: query-parallel over ``indices [s_q, topk]``. With a plan: its tiles; when the plan
     split private rows off, a second, query-parallel pass over ``plan.priv_idx`` continues each
-    row's online-softmax state from the first (kept in float32) and writes the outputs.
+    row's online-softmax state from the first (kept in float32) and writes the outputs; ``indices`` (and
+    ``topk_length``), when given with the plan, are those it was built from, for the repair pass
+    (``run_plan_passes``).
     ``_skip_kv`` (private): no kv loads, synthetic tiles (see ``_launch``); outputs meaningless.
     """
     out, max_logits, lse = alloc_outputs(q, d_v)
@@ -294,7 +343,9 @@ def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=N
         _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices, topk_length=topk_length,
                 attn_sink=attn_sink, **kw)
     else:
-        run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, **kw)
+        repair_from = None if indices is None or _skip_kv else (indices, topk_length)
+        run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink,
+                        repair_from=repair_from, **kw)
     return out, max_logits, lse
 
 
@@ -308,25 +359,57 @@ def alloc_outputs(q, d_v: int, out_dtype=None):
             torch.empty(s_q, h, dtype=torch.float32, device=q.device))
 
 
-def run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, tile_pass=None, **kw):
+def repair_buffer(s_q: int, device):
+    """A call's repair queue, int32 ``[1 + 2 s_q]``: the count of queued queries, a flag a query (both zeroed
+    here), then the queued queries. A plan pass queues each query whose output holds a NaN, once."""
+    import torch
+
+    buf = torch.empty(1 + 2 * s_q, dtype=torch.int32, device=device)
+    buf[:1 + s_q].zero_()
+    return buf
+
+
+def repair_programs(device, s_q: int) -> int:
+    """Programs of the repair pass (each loops over the queue): a few an SM, so that an empty queue costs one
+    short launch and a full one still fills the GPU."""
+    import torch
+
+    if device.type != "cuda":
+        return min(s_q, 2)
+    return min(s_q, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, tile_pass=None,
+                    repair_from=None, **kw):
     """Run ``plan`` into the given outputs (any row slices of the call's outputs).
 
     One pass over the plan's tiles; or, when the plan split private rows off, the tiles into a
     float32 partial state and then the query pass over ``plan.priv_idx`` that continues it and writes
-    the outputs. ``tile_pass(out, max_logits, lse, partial)`` runs the tiles (default: this module's
+    the outputs. ``tile_pass(out, max_logits, lse, partial, repair)`` runs the tiles (default: this module's
     kernel; the CUDA backend passes its own); ``kw`` tunes this module's kernel.
+
+    ``repair_from = (indices, topk_length)``, the plan's own: the repair pass. In a shared tile a row that one
+    query selects is multiplied by its partners' zero weights too, and ``0 x inf`` or ``0 x NaN`` is NaN, so a
+    non-finite kv value would reach queries that never selected it. The pass that writes the outputs queues
+    every query whose output holds a NaN (on the device, no host sync), and query programs then recompute
+    exactly those queries over their own rows: a NaN that a query's own rows give comes back, a partner's
+    does not. With no NaN the repair pass is one launch that reads the empty queue.
     """
     import torch
 
+    repair = repair_buffer(q.shape[0], q.device) if repair_from is not None else None
     if tile_pass is None:
-        def tile_pass(o, m, l, partial):
+        def tile_pass(o, m, l, partial, rep):
             _launch(q, kv, sm_scale, d_v, o, m, l, plan=plan, attn_sink=None if partial else attn_sink,
-                    partial=partial, **kw)
+                    partial=partial, repair=rep, **kw)
     if not plan.split_private:
-        tile_pass(out, max_logits, lse, False)
-        return
-    part = alloc_outputs(q, d_v, torch.float32)
-    tile_pass(*part, True)
-    _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
-            attn_sink=attn_sink, init=part, **kw)
-
+        tile_pass(out, max_logits, lse, False, repair)
+    else:
+        part = alloc_outputs(q, d_v, torch.float32)
+        tile_pass(*part, True, None)
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
+                attn_sink=attn_sink, init=part, repair=repair, **kw)
+    if repair is not None:
+        indices, topk_length = repair_from
+        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices, topk_length=topk_length,
+                attn_sink=attn_sink, repair=repair, repair_pass=True)

@@ -85,6 +85,8 @@ struct Params {
   int skip;                 // measurement only (sm90_measure.cuh, kSkip*): results invalid
   const int* run_flag;      // or null: the launch does nothing unless *run_flag == run_when (one of two
   int run_when;             //   launches chosen on the device, no host sync: ops/fp8_compact.py)
+  int* repair;              // or null: the repair queue (count | a flag a query | queued queries), into which a
+                            //   final-output pass queues each query whose output holds a NaN (run_plan_passes)
 };
 
 // Params' fields in order, for the library's layout table (quilt_sm90_params_layout): Python's ctypes
@@ -93,7 +95,7 @@ struct Params {
   X(q) X(kv) X(out) X(max_logits) X(lse) X(sink) X(tile_kv) X(tile_mask) X(prog_tiles) X(prog_ntiles)          \
   X(prog_order) X(indices) X(topk_length) X(stride_qs) X(stride_qh) X(stride_kv) X(stride_idx) X(stride_os)     \
   X(stride_oh) X(s_q) X(s_kv) X(h) X(topk) X(prog_cap) X(group_size) X(qp) X(hb) X(from_plan) X(n_work) X(nhb) \
-  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when)
+  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair)
 
 // The mbarriers (SharedStorage::bar) by role.
 struct Bars {

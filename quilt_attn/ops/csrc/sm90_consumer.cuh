@@ -434,17 +434,25 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         }
       }
     } else {
+      // |x| bits, their max over the row's values: above +inf's only if one is a NaN (bits: fast math cannot drop it)
+      uint32_t nan_bits = 0;
       // straight from registers, 16 bytes a thread (no stage: q's shared memory already holds the next q)
 #pragma unroll
       for (int a = 0; a < 8; ++a) {
         uint32_t v[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          v[c] = Mma<T>::pack(fin(o[(4 * a + c) * 4 + i * 2]), fin(o[(4 * a + c) * 4 + i * 2 + 1]));
+          const float x0 = fin(o[(4 * a + c) * 4 + i * 2]), x1 = fin(o[(4 * a + c) * 4 + i * 2 + 1]);
+#ifndef QUILT_NO_NAN_QUEUE
+          nan_bits = max(nan_bits, max(__float_as_uint(x0) & 0x7fffffffu, __float_as_uint(x1) & 0x7fffffffu));
+#endif
+          v[c] = Mma<T>::pack(x0, x1);
         }
         quad_transpose(v, quad);
         if (ok) *reinterpret_cast<uint4*>(out + (4 * a + quad) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
       }
+      // a NaN may be a shared tile's 0 x inf from a partner's row: the repair pass redoes this query
+      if (p.repair != nullptr && ok && nan_bits > 0x7f800000u) queue_for_repair(p.repair, p.s_q, qq);
     }
     if (ok && wg == 0 && quad == 0) {
       const float mlog = fmaxf(mt[i], red_tmax[r]);

@@ -5,6 +5,9 @@
 // slots are named here once; the library exports their names in slot order (quilt_sm90_timeline_slots),
 // which the script reads. Without QUILT_TIMELINE the stamps compile to nothing.
 //
+// QUILT_NO_NAN_QUEUE (a measurement build, benchmarks/repair_cost.py): the epilogue leaves out its NaN test, so
+// no query is ever queued for the repair pass; the A/B of what the test costs.
+//
 // Params::skip (kSkip* bits) and the kernel's kMma template switch are runtime / template switches of
 // every build, not behind QUILT_TIMELINE: the field is part of the parameter block Python sends, and the
 // no-product kernel (kMma = false) is an instantiation of the shipping library.

@@ -49,4 +49,10 @@ __device__ __forceinline__ RowOf row_of(const Params& p, const Program& pr, int 
   return x;
 }
 
+// Queue query qq for the repair pass, once whatever the threads and programs that ask: repair = the count, a
+// flag a query, the queued queries (sparse_attention.repair_buffer).
+__device__ __forceinline__ void queue_for_repair(int* repair, int s_q, int qq) {
+  if (atomicExch(repair + 1 + qq, 1) == 0) repair[1 + s_q + atomicAdd(repair, 1)] = qq;
+}
+
 }  // namespace quilt_sm90
