@@ -4,8 +4,9 @@
 
 Runs ``sparse_prefill(..., backend="triton")`` on production head dims (576 / 512) at a few heads: QUILT with
 its plan (Triton planner), private rows split off, query programs, invalid indices (-1 and past ``s_kv``),
-``topk_length`` (with values past topk), ``attn_sink``, and the FP8 cache read inside the kernel. Each result is
-checked against the float64 reference (exit 1 above a relative L2 error of 1e-2, or on a NaN). Outputs start
+``topk_length`` (with values past topk), ``attn_sink``, the FP8 cache read inside the kernel, and NaN in kv rows
+one query selects (its tile partners queued and repaired). Each result is checked against the float64
+reference (exit 1 above a relative L2 error of 1e-2, or on a NaN; the NaN rows' own queries excepted). Outputs start
 NaN-poisoned inside the call; a read outside ``kv``, the plan or the indices is the sanitizer's to report.
 Without a GPU it runs through Triton's interpreter (slowly, as a smoke test; the interpreter checks nothing of
 memory safety).
@@ -26,7 +27,8 @@ from sanitize_cuda import verdict
 # (heads, method, settings, kv format)
 CASES = [(16, "quilt", PlanSettings(split_private=False), "bf16"), (8, "quilt", PlanSettings(split_private=True), "bf16"),
          (3, "quilt", PlanSettings(), "bf16"), (64, "query_parallel", None, "bf16"),
-         (16, "quilt", PlanSettings(), "fp8"), (64, "query_parallel", None, "fp8")]
+         (16, "quilt", PlanSettings(), "fp8"), (64, "query_parallel", None, "fp8"),
+         (16, "quilt", PlanSettings(split_private=False), "bf16-nan")]  # NaN rows: the repair queue and pass
 
 
 def main(argv=None, prog=None) -> int:
@@ -51,8 +53,16 @@ def main(argv=None, prog=None) -> int:
         q = torch.randn(s_q, h, 576, generator=g).to(dtype)
         sink = torch.randn(h, generator=g)
         cache = quantize_fp8(kv) if kvf == "fp8" else None
-        kv_pass = kv.to(dev) if cache is None else cache.to(dev)
-        kv_ref = kv if cache is None else dequantize_fp8(cache, dtype)
+        kv_case, keep = kv, torch.ones(s_q, dtype=torch.bool)
+        if kvf == "bf16-nan":
+            ok = (idx_cpu >= 0) & (idx_cpu < s_kv)
+            counts = torch.bincount(idx_cpu[ok].long(), minlength=s_kv)
+            bad = (counts == 1).nonzero().flatten()[:3]
+            kv_case = kv.clone()
+            kv_case[bad, 9] = float("nan")
+            keep = ~(idx_cpu[:, :, None] == bad).any(2).any(1)
+        kv_pass = kv_case.to(dev) if cache is None else cache.to(dev)
+        kv_ref = kv_case if cache is None else dequantize_fp8(cache, dtype)
         kw = dict(settings=settings) if settings is not None else {}
         out = quilt_attn.sparse_prefill(q.to(dev), kv_pass, idx, 576**-0.5, topk_length=lengths.to(dev),
                                         attn_sink=sink.to(dev), backend="triton", method=method,
@@ -61,7 +71,8 @@ def main(argv=None, prog=None) -> int:
             torch.cuda.synchronize()
         ro = sparse_prefill_reference(q, kv_ref, idx_cpu, 576**-0.5, d_v=512, topk_length=lengths,
                                       attn_sink=sink)[0]
-        err = float((out.cpu().double() - ro).norm() / ro.norm())
+        out, ro = out.cpu()[keep], ro[keep]
+        err = float((out.double() - ro).norm() / ro.norm())
         nan = bool(out.isnan().any())
         rows.append(dict(h=h, method=method, kv=kvf, split_private=bool(settings and settings.split_private),
                          rel_err=err, nan=nan))

@@ -48,7 +48,7 @@ from ._checks import (
     require_ndim,
     require_tensor,
 )
-from .kv_cache import canonical_fp8_cache, dequantize_fp8, is_fp8_cache
+from .kv_cache import D_QK, canonical_fp8_cache, dequantize_fp8, is_fp8_cache
 
 LOG2E = math.log2(math.e)
 
@@ -104,13 +104,15 @@ def sparse_prefill_reference(
     require_ndim("q", q, (3,), "[s_q, h, d_qk]")
     require_dtype("q", q, FLOAT_DTYPES)
     require_tensor("kv", kv)
-    if is_fp8_cache(kv):
-        kv = dequantize_fp8(canonical_fp8_cache(kv), torch.float32)
-    kv = canonical_kv(kv)
-    require_dtype("kv", kv, FLOAT_DTYPES)
+    fp8 = is_fp8_cache(kv)
+    if fp8:
+        kv = canonical_fp8_cache(kv)
+    else:
+        kv = canonical_kv(kv)
+        require_dtype("kv", kv, FLOAT_DTYPES)
     s_q, h, d_qk = q.shape
-    if kv.shape[1] != d_qk:
-        raise ValueError(f"kv has d_qk = {kv.shape[1]} but q has d_qk = {d_qk}")
+    if (D_QK if fp8 else kv.shape[1]) != d_qk:
+        raise ValueError(f"kv has d_qk = {D_QK if fp8 else kv.shape[1]} but q has d_qk = {d_qk}")
     d_v = check_d_v(d_v, d_qk)
     indices = canonical_indices(indices, s_q)
     topk_length = check_topk_length(topk_length, s_q, indices.device, indices.shape[1])
@@ -120,8 +122,15 @@ def sparse_prefill_reference(
     dev = q.device
     indices = indices.to(dev)
     valid = valid_index_mask(indices, s_kv, topk_length)
-    kvc = kv.to(dev, compute_dtype)
     scale = float(sm_scale)
+
+    def gather(rows_idx):
+        """kv rows ``[c, topk]`` -> ``[c, topk, d_qk]`` in compute_dtype on q's device: only the gathered rows are
+        converted (a pool of millions of rows in float64 would not fit)."""
+        g = kv[rows_idx.to(kv.device)]
+        if fp8:
+            g = dequantize_fp8(g.reshape(-1, g.shape[-1]), torch.float32).reshape(*rows_idx.shape, D_QK)
+        return g.to(dev, compute_dtype)
 
     out = torch.empty(s_q, h, d_v, dtype=compute_dtype, device=dev)
     max_logits = torch.empty(s_q, h, dtype=torch.float32, device=dev)
@@ -130,8 +139,9 @@ def sparse_prefill_reference(
         b = min(s_q, a + chunk)
         ok = valid[a:b]  # [c, topk]
         # an ignored entry gathers a zero row: nothing of a row no query selected (inf, NaN) reaches a sum
-        rows = (kvc[torch.where(ok, indices[a:b], 0).long()] if s_kv else
-                kvc.new_zeros(b - a, ok.shape[1], d_qk)).masked_fill(~ok[..., None], 0.0)  # [c, topk, d_qk]
+        rows = (gather(torch.where(ok, indices[a:b], 0).long()) if s_kv else
+                torch.zeros(b - a, ok.shape[1], d_qk, dtype=compute_dtype, device=dev))
+        rows = rows.masked_fill(~ok[..., None], 0.0)  # [c, topk, d_qk]
         p = torch.einsum("chd,ckd->chk", q[a:b].to(compute_dtype), rows) * scale
         p = p.masked_fill(~ok[:, None, :], float("-inf"))
         m = p.amax(dim=-1)  # [c, h]; NaN where a valid logit is NaN
