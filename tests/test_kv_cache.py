@@ -294,6 +294,11 @@ def test_compact_fp8_widens_the_referenced_rows_and_renumbers_them(packed, monke
         assert torch.equal(dense[:listed.numel()].view(torch.int16), dense_all[listed].view(torch.int16))
     picked = torch.tensor([4, 0, 699, 4], dtype=torch.int32, device=device)
     assert torch.equal(expand_fp8(cache, rows=picked).view(torch.int16), dense_all[picked.long()].view(torch.int16))
+    two = torch.tensor([2], dtype=torch.int32, device=device)  # only the first two rows widened
+    assert torch.equal(expand_fp8(cache, rows=picked, count=two)[:2].view(torch.int16),
+                       dense_all[picked[:2].long()].view(torch.int16))
+    with pytest.raises(ValueError, match="count must be"):
+        expand_fp8(cache, count=two)
     with pytest.raises(ValueError, match="cap must be"):
         compact_fp8(cache, words, 0, packed=packed)
     with pytest.raises(ValueError, match="words must be contiguous int32"):

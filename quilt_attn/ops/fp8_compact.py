@@ -59,7 +59,7 @@ def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: b
     Returns
     -------
     dense : bf16 ``[cap, 576]``: compact row ``i`` is the ``i``-th referenced row in pool order (rows past
-        the referenced count hold some other row's values; no column reaches them while ``fits``).
+        the referenced count are not written: no column reaches them while ``fits``).
     remapped : int32 like ``words``: each referencing word with its row renumbered, the others unchanged.
     fits : int32 ``[1]``, 1 when the call references at most ``cap`` distinct rows (else ``dense`` misses
         some and the caller's other launch must run).
@@ -80,11 +80,12 @@ def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: b
     if n:
         _mark_kernel[grid](words, n, mark, s_kv, PACKED=packed, BLOCK=BLOCK)
     incl = torch.cumsum(mark, 0, dtype=torch.int32)  # referenced rows up to and including each row
-    fits = (incl[-1:] <= cap).to(torch.int32)
+    count = incl[-1:]  # the distinct referenced rows (on the device)
+    fits = (count <= cap).to(torch.int32)
     # compact row i is the first pool row where the count reaches i + 1
     want = torch.arange(1, cap + 1, dtype=torch.int32, device=cache.device)
     rows = torch.searchsorted(incl, want, out_int32=True).clamp_(max=s_kv - 1)
-    dense = expand_fp8(cache, rows=rows)
+    dense = expand_fp8(cache, rows=rows, count=count)  # (a call of a 64K context: at most half the buffer)
     remapped = torch.empty_like(words)
     if n:
         _remap_kernel[grid](words, n, incl, remapped, s_kv, PACKED=packed, BLOCK=BLOCK)
