@@ -30,6 +30,7 @@ DEFAULTS = dict(
     engine=RESULTS / "h200_engine_shapes.json",  # used when present
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
     fp8_cache=RESULTS / "h200_fp8_cache_b00d100.json",
+    repair=RESULTS / "h200_repair_cost_00482d8.json",
 )
 
 # Changes in the tree since the recorded files were measured. Empty this list once every file above has been
@@ -53,7 +54,11 @@ UNMEASURED_CHANGES = [
     "the Triton kernels address gathered kv rows and q rows in 64 bits (pools of 3.3M+ FP8 or 3.7M+ bf16 rows, "
     "and s_q x h x 576 past 2^31, wrapped in int32; not measured: the Triton rows of the grid predate it);",
     "the CUDA kernel returns at once when a launch's device flag says the other launch of a pair runs (a null "
-    "check otherwise; the FP8-cache section's bf16-kernel rows ran with it).",
+    "check otherwise; the FP8-cache section's bf16-kernel rows ran with it);",
+    "a QUILT call queues the queries whose output holds a NaN and runs the repair pass over them (measured in "
+    "the repair-pass section; the grid, engine-shape and FP8-cache rows predate it);",
+    "the FP8 compaction widens only the rows a call references, not its whole buffer (the FP8-cache section "
+    "predates it).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
 # What ran at the commits of the recorded files (a result file names its commit only); results of these commits
@@ -144,13 +149,14 @@ def _status(docs) -> list[str]:
         f"> The grid, FlashMLA-beside and planner-overlap numbers below were measured before commit "
         f"`{STATUS_CODE_COMMIT}`, on the code of commits {commits}",
         "> (kernel `9a86f42`: CUDA kernel v8 with round-robin head blocks; planner `2c8d48d`). The engine-shape",
-        "> section measures the current code. What changed after the older numbers:",
+        "> section measures newer code (its commit is named there). What changed after the older numbers:",
         ">",
     ]
     lines += [f"> - {c}" for c in UNMEASURED_CHANGES]
     lines += [
         ">",
-        "> The engine-shape run (current code but the last item) measured the kernel with a prebuilt plan at the old",
+        "> The engine-shape run (without the items that say its rows predate them) measured the kernel with a "
+        "prebuilt plan at the old",
         "> grid's time (3.42 / 2.13 ms at 16 / 8 heads, 64K context; grid 3.40 / 2.13) and the CUDA planner at",
         "> 0.26 / 0.28 ms (the old byte-table planner: 0.19 at a 64K context only; `docs/design-log.md`). Re-run",
         "> the grid before quoting a grid number as the current code's.",
@@ -556,11 +562,47 @@ def _fp8_cache(doc, path, root) -> list[str]:
                      f"{ms('widen-kernel')} | {ms('expand-call')} | {ms('compact-call')} | {ms('widen-call')} | "
                      f"{ms('default-call')} | {mib('expand-call')} / {mib('compact-call')} / {mib('widen-call')} | "
                      f"{'yes' if same else '**no**'} |")
-    lines += ["", "Times in ms. Compacting costs 0.3-0.4 ms at h = 8-16 (0.8 ms query-parallel at h = 64, whose "
-              "columns are the s_q x topk index lists) whatever the pool; expanding grows with the pool. The "
+    cost = [m["compact-kernel"]["ms"] - m["bf16-kernel"]["ms"] for (_, h), m in by.items()
+            if h <= 16 and "compact-kernel" in m and "bf16-kernel" in m]
+    qp = [m["compact-kernel"]["ms"] - m["bf16-kernel"]["ms"] for (_, h), m in by.items()
+          if h >= 64 and "compact-kernel" in m and "bf16-kernel" in m]
+    lines += ["", f"Times in ms. Compacting costs {_span(cost, '{:.2f}')} ms at h = 8-16"
+              + (f" ({_span(qp, '{:.2f}')} ms query-parallel at h = 64, whose columns are the s_q x topk index "
+                 "lists)" if qp else "") + " whatever the pool; expanding grows with the pool. The "
               "widened kernel is producer-bound (about twice the bf16 kernel: one warpgroup gathers and widens, "
               "on each half tile's refill path; docs/design-log.md, 2026-12-02). A call referencing more than "
               "`FP8_COMPACT_ROWS` (131,072) distinct rows runs the widening kernel, chosen on the device.", ""]
+    return lines
+
+
+def _repair(doc, path, root) -> list[str]:
+    """What the repair pass costs a QUILT call (``benchmarks/repair_cost.py``): without it, with it over an
+    empty queue, and with NaN rows whose partners it recomputes."""
+    if doc is None:
+        return []
+    lines = ["## The repair pass", "",
+             f"`benchmarks/repair_cost.py` ({_header_lines(doc, path, root)}): GLM-5.3-like, s_q 16384 of a 64K "
+             "context, bf16, plan prebuilt, the CUDA launch interleaved in one process. `before`: a library built "
+             "without the epilogue's NaN test and no repair pass (what a call ran before); `repair`: the shipping "
+             "launch (NaN test, queue zeroed, repair pass over the empty queue); `repair-nan`: the same with a "
+             "NaN in kv rows that one query selects each, whose tile partners the pass recomputes. `checked`: "
+             "queries compared with the float32 reference (for `repair-nan`: every partner of a NaN row's query, "
+             "none of which may be NaN; the selecting queries must be NaN).", "",
+             "| h | variant | ms (median of rounds) | rounds' spread | vs before | rel-L2 | checked | "
+             "selecting queries NaN |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    base = {r["h"]: r["ms"] for r in doc["rows"] if r["variant"] == "before"}
+    for r in doc["rows"]:
+        rel = r["ms"] / base[r["h"]] - 1
+        nan_rows = f" ({r['nan_rows']} NaN rows)" if r.get("nan_rows") else ""
+        owners = "-" if r.get("owners_nan") is None else ("yes" if r["owners_nan"] else "**no**")
+        lines.append(f"| {r['h']} | {r['variant']}{nan_rows} | {r['ms']:.3f} | {_span(r['rounds_ms'])} | "
+                     f"{100 * rel:+.1f}% | {r['rel_err']:.1e}{' **NaN**' if r['nan'] else ''} | {r['checked']} | "
+                     f"{owners} |")
+    empty = {r["h"]: r["ms"] / base[r["h"]] - 1 for r in doc["rows"] if r["variant"] == "repair"}
+    spread = max(max(r["rounds_ms"]) / min(r["rounds_ms"]) - 1 for r in doc["rows"])
+    lines += ["", "The empty queue's cost (" + " / ".join(f"{100 * v:+.1f}%" for v in empty.values())
+              + f" at h = {' / '.join(map(str, empty))}) is of the size of the rounds' own spread (up to "
+              f"{100 * spread:.0f}% within a variant): no more than about 1% a call.", ""]
     return lines
 
 
@@ -600,7 +642,7 @@ def _fp8_mode(doc, path, root) -> list[str]:
 
 
 def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, plan_beside=None, clip=None,
-                        engine=None, fp8_mode=None, fp8_cache=None, target=None, root=None, png=None,
+                        engine=None, fp8_mode=None, fp8_cache=None, repair=None, target=None, root=None, png=None,
                         plot=True) -> Path:
     """Write BENCHMARKS.md from recorded result files.
 
@@ -614,6 +656,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     engine : the engine-shape run (``benchmarks/run.py engine-shapes``); a missing file says it has not run.
     fp8_mode : the FP8 mode's accuracy emulation (``benchmarks/fp8_accuracy.py``); missing: no section.
     fp8_cache : the FP8-cache run (``benchmarks/run.py fp8-cache``); missing: no section.
+    repair : the repair-pass cost run (``benchmarks/run.py repair-cost``); missing: no section.
     target : the markdown file (default ``<root>/BENCHMARKS.md``); text below ``MARKER`` in it is kept.
     root : paths in the text are relative to it (default: the repository root).
     png : the plot (default: ``grid`` with a ``.png`` suffix); ``plot=False`` leaves it alone.
@@ -626,7 +669,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     rep_docs = [d for d in (_load(p) for p in repeats) if d]
     fm_docs = [d for d in (_load(p) for p in flashmla) if d]
     ov, bs, cl, en, f8 = _load(plan_overlap), _load(plan_beside), _load(clip), _load(engine), _load(fp8_mode)
-    fc = _load(fp8_cache)
+    fc, rp = _load(fp8_cache), _load(repair)
     png = Path(png) if png is not None else grid.with_suffix(".png")
     if plot:
         _plot(rows, png, gdoc.get("gpu"))
@@ -651,6 +694,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
                    (plan_overlap, plan_beside)),
         *_engine(en, engine, root),
         *_fp8_cache(fc, fp8_cache, root),
+        *_repair(rp, repair, root),
         *_fp8_mode(f8, fp8_mode, root),
         *_targets(rows, [[r for r in d["rows"] if "ms" in r] for d in rep_docs], fm_docs, ov, bs, cl),
         "Not reached: the goals at 8 / 16 / 32 heads. A kv half's refill latency is the largest exposed wait "
@@ -679,6 +723,7 @@ def main(argv=None) -> None:
     p.add_argument("--engine", default=str(DEFAULTS["engine"]))
     p.add_argument("--fp8-mode", default=str(DEFAULTS["fp8_mode"]))
     p.add_argument("--fp8-cache", default=str(DEFAULTS["fp8_cache"]))
+    p.add_argument("--repair", default=str(DEFAULTS["repair"]))
     p.add_argument("--out", default=None, help="default: BENCHMARKS.md at the repository root")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
@@ -686,7 +731,7 @@ def main(argv=None) -> None:
         a.grid, repeats=a.repeat if a.repeat is not None else DEFAULTS["repeats"],
         flashmla=a.flashmla if a.flashmla is not None else DEFAULTS["flashmla"], plan_overlap=a.plan_overlap,
         plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, fp8_mode=a.fp8_mode, fp8_cache=a.fp8_cache,
-        target=a.out,
+        repair=a.repair, target=a.out,
         plot=not a.no_plot)
     print(path)
 
