@@ -28,11 +28,7 @@ def _mark_kernel(words_ptr, n, mark_ptr, s_kv, PACKED: tl.constexpr, BLOCK: tl.c
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     w = tl.load(words_ptr + offs, mask=offs < n, other=-1)
     row, ok = column_row(w, s_kv, PACKED)
-    ok &= offs < n
-    # a row is referenced by a few hundred columns of a call: read its mark first and store only where it is
-    # still 0 (storing every time made the hot rows' L2 sectors take ~200 writes each)
-    seen = tl.load(mark_ptr + row, mask=ok, other=1)
-    tl.store(mark_ptr + row, tl.full([BLOCK], 1, tl.uint8), mask=ok & (seen == 0))
+    tl.store(mark_ptr + row, tl.full([BLOCK], 1, tl.int32), mask=ok & (offs < n))
 
 
 @triton.jit
@@ -79,7 +75,7 @@ def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: b
     if packed and s_kv > PACK_ROW_MASK:
         raise ValueError(f"packed columns address at most {PACK_ROW_MASK} rows, got s_kv={s_kv}")
     n = words.numel()
-    mark = torch.zeros(s_kv, dtype=torch.uint8, device=cache.device)  # (a byte a pool row)
+    mark = torch.zeros(s_kv, dtype=torch.int32, device=cache.device)
     grid = (triton.cdiv(n, BLOCK),)
     if n:
         _mark_kernel[grid](words, n, mark, s_kv, PACKED=packed, BLOCK=BLOCK)
