@@ -1,0 +1,86 @@
+"""GPU time per kernel of one ``sparse_prefill`` call (torch profiler): where a call's time goes beside the attention.
+
+Cases: bf16 kv of a 64K context and an FP8 pool of 4M rows (slot ids, ``engine_shapes.SHAPES["pool-4M"]``),
+GLM-5.3-like, s_q 16384, h = 16 and 8, default arguments. Ten calls are profiled after five warm-up calls; each
+kernel's device time is averaged over them. The call's output is checked against the float32 reference on
+sampled queries first (``rel_err`` printed; exit 1 above 1e-2 or on a NaN).
+
+    python benchmarks/run.py call-breakdown [--out F.txt]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import quilt_attn
+from engine_shapes import SHAPES, paged_indices
+from quilt_attn.kv_cache import quantize_fp8
+from quilt_attn.reference import sparse_prefill_reference
+from quilt_attn.workloads import generate
+from quilt_bench.bench import environment
+
+
+def profile(call, calls: int = 10) -> tuple[dict, float, int]:
+    """``({kernel name: us a call}, span us a call, launches a call)`` of ``call`` (after five warm-up calls)."""
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    tot = {}
+    for e in ev:
+        tot[e.name[:70]] = tot.get(e.name[:70], 0.0) + e.device_time / calls
+    span = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / calls
+    return tot, span, len(ev) // calls
+
+
+def checked(q, kv, idx, got) -> float:
+    rows = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(3))[:128].to(q.device)
+    ro = sparse_prefill_reference(q[rows], kv, idx[rows], compute_dtype=torch.float32)[0]
+    o = got[0][rows].float()
+    return float("nan") if torch.isnan(o).any() else ((o - ro).norm() / ro.norm()).item()
+
+
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="a text file for the tables (optional)")
+    a = p.parse_args(argv)
+    env = environment()
+    lines = [f"{env.get('gpu')}, commit {env.get('commit')}, {env.get('date')}, torch {env.get('versions', {}).get('torch')}"]
+    worst = 0.0
+    for kind in ("bf16", "fp8"):
+        for h in (16, 8):
+            if kind == "bf16":
+                s_q, s_kv = 16384, 65536
+                idx = generate("glm53-like", s_q, s_kv, 2048, seed=7, device="cuda")
+                kv = torch.randn(s_kv, 576, device="cuda", dtype=torch.bfloat16)
+                name = f"bf16 64K context s_q {s_q} h {h}"
+            else:
+                shape = SHAPES["pool-4M"]
+                s_q, idx = sum(shape.s_q), paged_indices(shape, "glm53-like", 2048, 0, "cuda")
+                kv = quantize_fp8(torch.randn(shape.pool, 576, device="cuda", dtype=torch.bfloat16))
+                name = f"fp8 pool of 4M rows s_q {s_q} h {h}"
+            q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.bfloat16)
+            err = checked(q, kv, idx, quilt_attn.sparse_prefill(q, kv, idx))
+            worst = max(worst, err) if err == err else float("inf")
+            tot, span, n = profile(lambda: quilt_attn.sparse_prefill(q, kv, idx))
+            lines.append(f"== {name}: GPU us a call by kernel ({n} launches a call; rel_err {err:.1e})")
+            lines += [f"  {v:9.1f}  {k}" for k, v in sorted(tot.items(), key=lambda x: -x[1])]
+            lines.append(f"  span {span:.1f} us a call; kernels busy {sum(tot.values()):.1f}")
+            del kv
+            torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if worst < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
