@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from engine_shapes import time_alternating
 from quilt_attn.ops import cuda_backend
 from quilt_attn.reference import LOG2E, sparse_prefill_reference
 from quilt_bench import bench
@@ -74,7 +75,7 @@ def run_case(workload: str, h: int, nan_rows: int, rounds: int, warmup: int, rep
                             lse_err=(lse[sel] - rl * LOG2E)[fin].abs().max().item(),
                             nan=bool(torch.isnan(out[sel]).any()), checked=int(sel.numel()),
                             owners_nan=bool(torch.isnan(out[owner]).any(-1).any(-1).all()) if name == "repair-nan" else None)
-    times = bench_times(fns, rounds, warmup, rep)
+    times = time_alternating(fns, rounds, warmup, rep)
     cuda_backend.use_library(None)
     rows = []
     for name in fns:
@@ -91,18 +92,6 @@ def plan_partners(owner: torch.Tensor, group_size: int) -> torch.Tensor:
     pad = -s_q % group_size
     g = torch.nn.functional.pad(owner, (0, pad)).view(-1, group_size).any(1, keepdim=True)
     return g.expand(-1, group_size).reshape(-1)[:s_q]
-
-
-def bench_times(fns, rounds, warmup, rep):
-    state = {"i": 0}
-
-    def rotate(fn):
-        def step():
-            state["i"] ^= 1
-            return fn(state["i"])
-        return step
-
-    return bench.interleaved_rounds({n: rotate(f) for n, f in fns.items()}, rounds, warmup=warmup, rep=rep)
 
 
 def main(argv=None, prog=None) -> int:
