@@ -58,7 +58,10 @@ UNMEASURED_CHANGES = [
     "a QUILT call queues the queries whose output holds a NaN and runs the repair pass over them (measured in "
     "the repair-pass and FP8-cache sections; the grid and engine-shape rows predate it);",
     "the FP8 compaction widens only the rows a call references, not its whole buffer (measured in the FP8-cache "
-    "section).",
+    "section);",
+    "the FP8 compaction's mark pass keeps a byte a pool row, reads a mark before storing it and runs its programs "
+    "in bit-reversed order (the pass alone: 397 -> 196 us at h = 16, 250 -> 171 us at h = 8 in a 4M-row pool, "
+    "`benchmarks/results/h200_fp8_mark_variants_d170b05.txt`; the FP8-cache section predates it).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
 # What ran at the commits of the recorded files (a result file names its commit only); results of these commits

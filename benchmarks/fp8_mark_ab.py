@@ -1,0 +1,100 @@
+"""The FP8 compaction's mark pass (``ops/fp8_compact.py``): variants of one kernel, interleaved on the same plan.
+
+The pass sets a mark for every pool row that a plan column references (a call of a 64K context: ~14M columns,
+~44K distinct rows, slot ids into a pool of 1M or 4M rows). Variants: int32 or byte marks; every column stores
+its mark, or reads it first and stores only where it is still 0 (``read``); programs launched in column order
+or in bit-reversed order (``spread``: the programs in flight together take columns of groups far apart, so they
+do not all reach the same rows at once). Each variant's marks are compared with the first's (exit 1 if any
+differs); times are medians of ``do_bench`` over alternating rounds, the marks' zeroing included.
+
+    python benchmarks/run.py fp8-mark-ab [--out F.txt]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+import quilt_attn
+from engine_shapes import SHAPES, paged_indices
+from quilt_attn import dispatch
+from quilt_attn.ops.sparse_attention import column_row
+from quilt_bench.bench import environment
+
+
+@triton.jit
+def _mark(words_ptr, n, mark_ptr, s_kv, LOGP, PACKED: tl.constexpr, BLOCK: tl.constexpr, READ: tl.constexpr,
+          BYTE: tl.constexpr, SPREAD: tl.constexpr):
+    pid = tl.program_id(0)
+    if SPREAD:  # bit-reversed program order (the grid is rounded up to a power of two)
+        r = pid
+        b = pid * 0
+        for i in range(0, LOGP):
+            b = (b << 1) | (r & 1)
+            r = r >> 1
+        pid = b
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(words_ptr + offs, mask=offs < n, other=-1)
+    row, ok = column_row(w, s_kv, PACKED)
+    ok &= offs < n
+    if READ:
+        seen = tl.load(mark_ptr + row, mask=ok, other=1)
+        ok &= seen == 0
+    if BYTE:
+        tl.store(mark_ptr + row, tl.full([BLOCK], 1, tl.uint8), mask=ok)
+    else:
+        tl.store(mark_ptr + row, tl.full([BLOCK], 1, tl.int32), mask=ok)
+
+
+VARIANTS = {"i32_store": (False, False, False), "u8_store": (False, True, False), "u8_read": (True, True, False),
+            "i32_store_spread": (False, False, True), "u8_read_spread": (True, True, True)}
+
+
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=6)
+    a = p.parse_args(argv)
+    env = environment()
+    lines = [f"# {env['gpu']}, commit {env['commit']}, {env['date']}; us a pass (marks zeroed and set)"]
+    ok_all = True
+    for name in ("pool-4M", "pool-1M"):
+        shape = SHAPES[name]
+        for h in (16, 8):
+            idx = paged_indices(shape, "glm53-like", 2048, 0, "cuda")
+            pl = quilt_attn.plan(idx, s_kv=shape.pool, **dispatch.plan_settings(h, "cuda"))
+            words = pl.tile_kv.contiguous()
+            n = words.numel()
+            nprog = triton.cdiv(n, 1024)
+            logp = (nprog - 1).bit_length()
+            fns, marks = {}, {}
+            for v, (rd, byte, spread) in VARIANTS.items():
+                m = torch.zeros(shape.pool, dtype=torch.uint8 if byte else torch.int32, device="cuda")
+                grid = ((1 << logp) if spread else nprog,)
+                marks[v] = m
+                fns[v] = (lambda m=m, rd=rd, byte=byte, spread=spread, grid=grid: (m.zero_(), _mark[grid](
+                    words, n, m, shape.pool, logp, PACKED=True, BLOCK=1024, READ=rd, BYTE=byte, SPREAD=spread)))
+                fns[v]()
+            torch.cuda.synchronize()
+            first = marks[next(iter(marks))].to(torch.uint8)
+            same = {v: torch.equal(m.to(torch.uint8), first) for v, m in marks.items()}
+            ok_all &= all(same.values())
+            t = {v: [] for v in fns}
+            for r in range(a.rounds):
+                for v in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                    t[v].append(triton.testing.do_bench(fns[v], warmup=10, rep=40, return_mode="median"))
+            lines.append(f"| {name} | {h} | {int(first.sum())} rows | " + " | ".join(
+                f"{v} {statistics.median(t[v]) * 1e3:.1f}{'' if same[v] else ' DIFFERS'}" for v in fns) + " |")
+            print(lines[-1], flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
