@@ -16,6 +16,8 @@ the rows that query owns alone, which a 64-row tile would compute mostly masked.
 """
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -364,19 +366,23 @@ def repair_buffer(s_q: int, device):
     here), then the queued queries. A plan pass queues each query whose output holds a NaN, once."""
     import torch
 
-    buf = torch.empty(1 + 2 * s_q, dtype=torch.int32, device=device)
-    buf[:1 + s_q].zero_()
-    return buf
+    return torch.zeros(1 + 2 * s_q, dtype=torch.int32, device=device)  # (one fill; the queue part need not be 0)
 
 
 def repair_programs(device, s_q: int) -> int:
     """Programs of the repair pass (each loops over the queue): a few an SM, so that an empty queue costs one
     short launch and a full one still fills the GPU."""
-    import torch
-
     if device.type != "cuda":
         return min(s_q, 2)
-    return min(s_q, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(s_q, 4 * _sm_count(device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
 
 
 def run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, tile_pass=None,
