@@ -20,6 +20,7 @@ CASES = {
     "plan-timing": ("plan_timing", "planner time by backend and mask method (--device cpu: a smoke run)"),
     "fp8-cache": ("fp8_cache", "the FP8 cache on the CUDA backend: expanded once a call vs widened in the kernel"),
     "call-breakdown": ("call_breakdown", "GPU time per kernel of a call (torch profiler), bf16 and an FP8 pool"),
+    "triton-ptx": ("triton_ptx", "the Triton kernel's PTX compiled for sm_90 without a GPU: compare two trees (CPU)"),
     "fp8-mark-ab": ("fp8_mark_ab", "variants of the FP8 compaction's mark pass, interleaved"),
     "repair-cost": ("repair_cost", "the repair pass's cost to a QUILT call (empty queue, NaN rows), interleaved"),
     "ab-cuda": ("ab_cuda", "CUDA kernel variants (libraries, CTA counts, program orders, groups), interleaved"),
