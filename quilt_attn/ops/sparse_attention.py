@@ -16,12 +16,10 @@ the rows that query owns alone, which a 64-row tile would compute mostly masked.
 """
 from __future__ import annotations
 
-import functools
-
 import triton
 import triton.language as tl
 
-from .shapes import default_group_size, program_shape  # noqa: F401  (also imported from here)
+from .shapes import default_group_size, program_shape, sm_count  # noqa: F401  (also imported from here)
 
 LAST_COMPILED: dict = {}
 
@@ -242,22 +240,21 @@ def _sparse_attention_kernel(
     REPAIR: tl.constexpr = False,  # query programs over the queued queries only (persistent over the queue)
     SKIP_KV: tl.constexpr = False,  # timing study only: kv tiles from registers, no kv loads (wrong outputs)
 ):
-    if REPAIR:  # (the program body written out twice: Triton cannot unpack an argument tuple)
-        for i in range(tl.program_id(0), tl.load(repair_ptr), tl.num_programs(0)):
-            _program(tl.load(repair_ptr + 1 + s_q + i), tl.program_id(1), tl.program_id(2),
-                     q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr, idx_ptr, len_ptr, tile_kv_ptr, tile_mask_ptr,
-                     prog_tiles_ptr, prog_ntiles_ptr, sink_ptr, out_ptr, maxl_ptr, lse_ptr, init_o_ptr, init_m_ptr,
-                     init_lse_ptr, repair_ptr, s_q, s_kv, h, topk, prog_cap, stride_qs, stride_qh, stride_kv,
-                     stride_idx, stride_os, stride_oh, sm_scale2,
-                     FROM_PLAN, HAS_LEN, HAS_SINK, FP8, HAS_INIT, PARTIAL, PACKED, False,
-                     G, QP, HB, BT, DV, DR, DVS, SKIP_KV)
+    if REPAIR:  # persistent over the queue: program x takes entries x, x + programs, ...
+        start, stop, step = tl.program_id(0), tl.load(repair_ptr), tl.num_programs(0)
     else:
-        _program(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        start, stop, step = 0, 1, 1  # (one trip of constant bounds: folded away)
+    for i in range(start, stop, step):
+        if REPAIR:
+            pid = tl.load(repair_ptr + 1 + s_q + i)
+        else:
+            pid = tl.program_id(0)
+        _program(pid, tl.program_id(1), tl.program_id(2),
                  q_ptr, kv_ptr, kv_f32_ptr, kv_b16_ptr, idx_ptr, len_ptr, tile_kv_ptr, tile_mask_ptr,
                  prog_tiles_ptr, prog_ntiles_ptr, sink_ptr, out_ptr, maxl_ptr, lse_ptr, init_o_ptr, init_m_ptr,
                  init_lse_ptr, repair_ptr, s_q, s_kv, h, topk, prog_cap, stride_qs, stride_qh, stride_kv,
                  stride_idx, stride_os, stride_oh, sm_scale2,
-                 FROM_PLAN, HAS_LEN, HAS_SINK, FP8, HAS_INIT, PARTIAL, PACKED, FLAG_NAN,
+                 FROM_PLAN, HAS_LEN, HAS_SINK, FP8, HAS_INIT, PARTIAL, PACKED, FLAG_NAN and not REPAIR,
                  G, QP, HB, BT, DV, DR, DVS, SKIP_KV)
 
 
@@ -374,15 +371,7 @@ def repair_programs(device, s_q: int) -> int:
     short launch and a full one still fills the GPU."""
     if device.type != "cuda":
         return min(s_q, 2)
-    return min(s_q, 4 * _sm_count(device.index))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
-                                            ).multi_processor_count
+    return min(s_q, 4 * sm_count(device))
 
 
 def run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, tile_pass=None,
