@@ -24,7 +24,7 @@ import torch
 
 from ..kv_cache import FP8_BYTES
 from ..reference import LOG2E
-from .shapes import program_shape
+from .shapes import program_shape, sm_count
 
 CSRC = Path(__file__).with_name("csrc")
 UNITS = ("quilt_sm90.cu", "quilt_plan.cu")  # translation units, linked into one library
@@ -293,11 +293,6 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def work_items(h: int, s_q: int, plan=None) -> int:
     """Work items of a launch: programs (the plan's, else one a query) x head blocks."""
     qp, hb = program_shape(h, plan.group_size if plan is not None else 1)
@@ -362,7 +357,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         prm.topk_length = _ptr(topk_length)
     prm.nhb, prm.n_work = -(-h // hb), work_items(h, s_q, plan)
     if _ctas is None:
-        _ctas = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        _ctas = sm_count(q.device)
     ctas = min(int(_ctas), prm.n_work)
     counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream
     prm.work_counter = counter.data_ptr()

@@ -1,11 +1,14 @@
 """The shape of a kernel program, shared by the kernels, their launchers and ``quilt_attn.dispatch``: how many
-queries and (padded) heads a 64-row program holds, and the plan group ``sparse_prefill`` uses by default.
+queries and (padded) heads a 64-row program holds, the plan group ``sparse_prefill`` uses by default, and the
+multiprocessor count the persistent grids are sized by.
 
 Its own module, free of Triton kernels, so that the dispatch can import it at once (a Triton kernel module picks
 the interpreter, ``TRITON_INTERPRET``, when it is first imported, which the command line sets after importing
 the package).
 """
 from __future__ import annotations
+
+import functools
 
 
 def _next_pow2(n: int) -> int:
@@ -32,3 +35,18 @@ def default_group_size(h: int) -> int:
     """
     qp = program_shape(h, 8)[0]
     return qp if qp > 1 else 8
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of CUDA ``device`` (a ``torch.device``; no index: the current one), asked once a device: the
+    persistent launches size their grids by it."""
+    import torch
+
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .membership import NO_S_KV_BOUND, member_masks, pad_to_groups
 from .buffers import PACK_SHIFT, plan_buffers
+from ..ops.shapes import sm_count
 
 _WORKSPACE: dict = {}
 PLAN_WARPS = 16  # measured on the H200: see docs/learned.md
@@ -334,7 +335,7 @@ def plan_triton(indices, s_kv: int | None, topk_length, G, M, T, thr, importance
     cap = buf["tile_kv"].shape[1]
     packed = buf["tile_mask"] is None
     if dev.type == "cuda":
-        n_prog = min(n_groups, PLAN_PROGS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count)
+        n_prog = min(n_groups, PLAN_PROGS_PER_SM * sm_count(dev))
     else:
         n_prog = min(n_groups, 4)
     table, scratch = _workspace(dev, max(n_prog, 1), hs, G, KP)
