@@ -17,9 +17,8 @@ import torch
 import quilt_attn
 from engine_shapes import SHAPES, paged_indices
 from quilt_attn.kv_cache import quantize_fp8
-from quilt_attn.reference import sparse_prefill_reference
 from quilt_attn.workloads import generate
-from quilt_bench.bench import environment
+from quilt_bench.bench import Case, Inputs, check, environment
 
 
 def profile(call, calls: int = 10) -> tuple[dict, float, int]:
@@ -39,13 +38,6 @@ def profile(call, calls: int = 10) -> tuple[dict, float, int]:
     return tot, span, len(ev) // calls
 
 
-def checked(q, kv, idx, got) -> float:
-    rows = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(3))[:128].to(q.device)
-    ro = sparse_prefill_reference(q[rows], kv, idx[rows], compute_dtype=torch.float32)[0]
-    o = got[0][rows].float()
-    return float("nan") if torch.isnan(o).any() else ((o - ro).norm() / ro.norm()).item()
-
-
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="a text file for the tables (optional)")
@@ -62,12 +54,14 @@ def main(argv=None, prog=None) -> int:
                 name = f"bf16 64K context s_q {s_q} h {h}"
             else:
                 shape = SHAPES["pool-4M"]
-                s_q, idx = sum(shape.s_q), paged_indices(shape, "glm53-like", 2048, 0, "cuda")
+                s_q, s_kv, idx = sum(shape.s_q), shape.pool, paged_indices(shape, "glm53-like", 2048, 0, "cuda")
                 kv = quantize_fp8(torch.randn(shape.pool, 576, device="cuda", dtype=torch.bfloat16))
                 name = f"fp8 pool of 4M rows s_q {s_q} h {h}"
             q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.bfloat16)
-            err = checked(q, kv, idx, quilt_attn.sparse_prefill(q, kv, idx))
-            worst = max(worst, err) if err == err else float("inf")
+            inputs = Inputs(Case("glm53-like", h, kv=kind, s_q=s_q, s_kv=s_kv), idx, [(q, kv)])
+            chk = check(inputs, *quilt_attn.sparse_prefill(q, kv, idx), n_check=128)
+            err = chk["rel_err"]
+            worst = float("inf") if chk["nan"] else max(worst, err)
             tot, span, n = profile(lambda: quilt_attn.sparse_prefill(q, kv, idx))
             lines.append(f"== {name}: GPU us a call by kernel ({n} launches a call; rel_err {err:.1e})")
             lines += [f"  {v:9.1f}  {k}" for k, v in sorted(tot.items(), key=lambda x: -x[1])]

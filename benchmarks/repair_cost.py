@@ -25,7 +25,6 @@ import torch
 
 from engine_shapes import time_alternating
 from quilt_attn.ops import cuda_backend
-from quilt_attn.reference import LOG2E, sparse_prefill_reference
 from quilt_bench import bench
 
 D_QK, D_V = 576, 512
@@ -36,44 +35,42 @@ def run_case(workload: str, h: int, nan_rows: int, rounds: int, warmup: int, rep
     inp = bench.make_inputs(case)
     plan = bench.cuda_work(inp, h)["plan"]
     idx, sm_scale = inp.indices, D_QK ** -0.5
-    counts = torch.bincount(idx[idx >= 0].long(), minlength=case.s_kv)
-    bad_rows = (counts == 1).nonzero().flatten()[:nan_rows]
+    bad_rows = bench.rows_selected_once(idx, case.s_kv, nan_rows)
     owner = (idx[:, :, None] == bad_rows).any(2).any(1)
     nan_sets = []
     for q, kv in inp.sets:
         kv = kv.clone()
         kv[bad_rows, 11] = float("nan")
         nan_sets.append((q, kv))
-    lib_of = {"before": before_lib, "repair": None, "repair-nan": None}
-    sets_of = {"before": inp.sets, "repair": inp.sets, "repair-nan": nan_sets}
-    work_of = {"before": dict(plan=plan), "repair": dict(plan=plan, indices=idx), "repair-nan": dict(plan=plan, indices=idx)}
+    # variant -> (kernel library (None: the package's), input sets, work)
+    variants = {"before": (before_lib, inp.sets, dict(plan=plan)),
+                "repair": (None, inp.sets, dict(plan=plan, indices=idx)),
+                "repair-nan": (None, nan_sets, dict(plan=plan, indices=idx))}
     last = {}
 
     def variant(name):
+        lib, sets, work = variants[name]
+
         def fn(i):
-            if cuda_backend._OVERRIDE != lib_of[name]:
-                cuda_backend.use_library(lib_of[name])
-            q, kv = sets_of[name][i]
-            last[name] = cuda_backend.launch_sparse_attention_cuda(q, kv, sm_scale, D_V, **work_of[name])
+            if cuda_backend._OVERRIDE != lib:
+                cuda_backend.use_library(lib)
+            q, kv = sets[i]
+            last[name] = cuda_backend.launch_sparse_attention_cuda(q, kv, sm_scale, D_V, **work)
         return fn
 
-    fns = {name: variant(name) for name in lib_of}
+    fns = {name: variant(name) for name in variants}
     rows_chk = torch.randperm(case.s_q, generator=torch.Generator().manual_seed(3))[:512].to(idx.device)
     checks = {}
     for name, fn in fns.items():
         fn(0)
         torch.cuda.synchronize()
         out, ml, lse = last[name]
-        q, kv = sets_of[name][0]
-        sel = rows_chk[~owner[rows_chk]] if name == "repair-nan" else rows_chk
-        if name == "repair-nan":  # the partners of the NaN rows' owners, all of them, are among the checked
-            sel = torch.unique(torch.cat([sel, (plan_partners(owner, plan.group_size) & ~owner).nonzero().flatten()]))
-        ro, rm, rl = sparse_prefill_reference(q[sel], kv, idx[sel], compute_dtype=torch.float32)
-        o = out[sel].float()
-        fin = torch.isfinite(rl)
-        checks[name] = dict(rel_err=((o - ro).norm() / ro.norm()).item(),
-                            lse_err=(lse[sel] - rl * LOG2E)[fin].abs().max().item(),
-                            nan=bool(torch.isnan(out[sel]).any()), checked=int(sel.numel()),
+        sel = rows_chk
+        if name == "repair-nan":  # not the NaN rows' owners; all their partners (the queries a leak could reach)
+            sel = torch.unique(torch.cat([rows_chk[~owner[rows_chk]],
+                                          (plan_partners(owner, plan.group_size) & ~owner).nonzero().flatten()]))
+        chk = bench.check(bench.Inputs(case, idx, variants[name][1]), out, ml, lse, rows=sel, base2=True)
+        checks[name] = dict(chk, checked=int(sel.numel()),
                             owners_nan=bool(torch.isnan(out[owner]).any(-1).any(-1).all()) if name == "repair-nan" else None)
     times = time_alternating(fns, rounds, warmup, rep)
     cuda_backend.use_library(None)

@@ -61,11 +61,7 @@ def main(argv=None, prog=None) -> int:
         lse = torch.full_like(ml, float("nan"))
         lengths = None
         if use_plan:
-            p_ = make_plan(idx_cpu, s_kv=s_kv, merge_level=program_shape(h, 8)[0], split_private=False,
-                           backend="torch")
-            p_ = type(p_)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p_.__dict__.items()
-                             if not k.startswith("_")})
-            cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, plan=p_, _ctas=ctas)
+            cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, plan=torch_plan_on_gpu(idx_cpu, s_kv, h), _ctas=ctas)
         else:
             lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32, device="cuda")
             cuda_backend.launch(q, kvd, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths, _ctas=ctas)
@@ -81,20 +77,26 @@ def main(argv=None, prog=None) -> int:
     return verdict(rows, a.out)
 
 
+def torch_plan_on_gpu(idx_cpu, s_kv: int, h: int):
+    """The plan of ``idx_cpu`` at ``h`` heads (no private split) built by the torch planner on the CPU, so that no
+    Triton kernel runs under the sanitizer, with its tensors moved to the GPU."""
+    p = make_plan(idx_cpu, s_kv=s_kv, merge_level=program_shape(h, 8)[0], split_private=False, backend="torch")
+    return type(p)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p.__dict__.items()
+                      if not k.startswith("_")})
+
+
 def repair_queue_case(idx_cpu, kv) -> dict:
     """The epilogue's repair queue (``Params::repair``): a NaN in kv rows that one query selects reaches its tile
     partners, whose queries the kernel queues, each once (only the CUDA kernel runs: the queue is checked here,
     not repaired). A row: ``rel_err`` 0 when the queue holds exactly the queries whose output has a NaN."""
     from quilt_attn.ops.sparse_attention import repair_buffer
+    from quilt_bench.bench import rows_selected_once
 
     s_q, h = idx_cpu.shape[0], 16
-    counts = torch.bincount(idx_cpu[idx_cpu >= 0].long(), minlength=kv.shape[0])
     kv = kv.clone()
-    kv[(counts == 1).nonzero().flatten()[:2].cuda(), 5] = float("nan")
+    kv[rows_selected_once(idx_cpu, kv.shape[0], 2).cuda(), 5] = float("nan")
     q = torch.randn(s_q, h, 576, dtype=kv.dtype, device="cuda")
-    p_ = make_plan(idx_cpu, s_kv=kv.shape[0], merge_level=program_shape(h, 8)[0], split_private=False, backend="torch")
-    p_ = type(p_)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in p_.__dict__.items()
-                     if not k.startswith("_")})
+    p_ = torch_plan_on_gpu(idx_cpu, kv.shape[0], h)
     out = torch.full((s_q, h, 512), float("nan"), dtype=kv.dtype, device="cuda")
     ml, lse = torch.empty(s_q, h, device="cuda"), torch.empty(s_q, h, device="cuda")
     buf = repair_buffer(s_q, "cuda")

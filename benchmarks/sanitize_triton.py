@@ -22,6 +22,7 @@ import quilt_attn
 from quilt_attn import PlanSettings, sparse_prefill_reference
 from quilt_attn.kv_cache import dequantize_fp8, quantize_fp8
 from quilt_attn.workloads import generate
+from quilt_bench.bench import rows_selected_once
 from sanitize_cuda import verdict
 
 # (heads, method, settings, kv format)
@@ -55,9 +56,7 @@ def main(argv=None, prog=None) -> int:
         cache = quantize_fp8(kv) if kvf == "fp8" else None
         kv_case, keep = kv, torch.ones(s_q, dtype=torch.bool)
         if kvf == "bf16-nan":
-            ok = (idx_cpu >= 0) & (idx_cpu < s_kv)
-            counts = torch.bincount(idx_cpu[ok].long(), minlength=s_kv)
-            bad = (counts == 1).nonzero().flatten()[:3]
+            bad = rows_selected_once(idx_cpu, s_kv, 3)
             kv_case = kv.clone()
             kv_case[bad, 9] = float("nan")
             keep = ~(idx_cpu[:, :, None] == bad).any(2).any(1)

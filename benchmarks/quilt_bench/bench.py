@@ -84,16 +84,18 @@ def make_inputs(case: Case, n_sets: int = 2, device="cuda") -> Inputs:
 
 
 def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: int = 0, dropped=None, *,
-          base2: bool = False) -> dict:
+          base2: bool = False, rows: torch.Tensor | None = None) -> dict:
     """Relative L2 error of ``out``, max |d lse| and max |d max_logits| against the float32 reference on
-    sampled queries. ``base2``: the statistics come from a raw kernel launch (``cuda_call``,
-    ``cuda_backend.launch``), which keeps them in base 2; else natural log, as ``sparse_prefill`` returns them."""
+    sampled queries (``rows``: these queries instead). ``base2``: the statistics come from a raw kernel launch
+    (``cuda_call``, ``cuda_backend.launch``, ``launch_sparse_attention_cuda``), which keeps them in base 2; else
+    natural log, as ``sparse_prefill`` returns them."""
     from quilt_attn.reference import LOG2E, sparse_prefill_reference
 
     q, kv = inputs.sets[set_index]
     s_q = q.shape[0]
-    g = torch.Generator(device="cpu").manual_seed(123)
-    rows = torch.randperm(s_q, generator=g)[:n_check].to(q.device)
+    if rows is None:
+        g = torch.Generator(device="cpu").manual_seed(123)
+        rows = torch.randperm(s_q, generator=g)[:n_check].to(q.device)
     ro, rm, rl = sparse_prefill_reference(q[rows], kv, inputs.indices[rows], compute_dtype=torch.float32)
     if base2:
         rm, rl = rm * LOG2E, rl * LOG2E
@@ -105,6 +107,14 @@ def check(inputs: Inputs, out, max_logits, lse, n_check: int = 256, set_index: i
            "max_logits_err": (max_logits[rows] - rm)[fin_m].abs().max().item() if fin_m.any() else 0.0,
            "nan": bool(torch.isnan(out[rows]).any().item())}
     return res
+
+
+def rows_selected_once(indices: torch.Tensor, s_kv: int, n: int) -> torch.Tensor:
+    """The first ``n`` kv rows (ascending) that exactly one valid entry of ``indices`` selects: where a NaN reaches
+    one query only, and under QUILT that query's tile partners too (the repair pass's cases)."""
+    ok = (indices >= 0) & (indices < s_kv)
+    counts = torch.bincount(indices[ok].long(), minlength=s_kv)
+    return (counts == 1).nonzero().flatten()[:n]
 
 
 def plans_equal(a, b) -> bool:
