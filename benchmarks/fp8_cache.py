@@ -8,7 +8,9 @@ process, on the same inputs:
 * ``expand-kernel``: today's FP8 path with the plan prebuilt: the whole pool expanded to bf16, then the kernel;
 * ``widen-kernel``: the kernel reading the FP8 rows themselves (``cuda_backend.FP8_IN_KERNEL``), plan prebuilt;
 * ``compact-kernel``: the referenced rows widened into a compact buffer, then the kernel on it (or, chosen on
-  the device when they overflow it, the widening kernel; ``cuda_backend.launch_fp8_compact``), plan prebuilt;
+  the device when they overflow it, the widening kernel; ``cuda_backend.launch_fp8_compact``), plan prebuilt
+  (its row numbering made on its first call and kept: a call widens only); ``compact-fresh-kernel``: the same
+  with the rows numbered again every call (what a plan made in the call pays; query programs always do);
 * ``expand-call`` / ``widen-call`` / ``compact-call``: ``sparse_prefill(q, cache, indices)`` made to take each
   path; ``default-call``: as it is (expanded up to ``FP8_COMPACT_POOL`` rows, compacted above).
 
@@ -63,6 +65,12 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
         work = dict(plan=plan) if plan is not None else dict(indices=idx)
         cuda_backend.launch_fp8_compact(q, cache, sm_scale, k_out, k_ml, k_lse, **work)
 
+    def compact_fresh(q, cache, idx, plan):  # the rows numbered again every call, as a plan made in the call is
+        if plan is not None:
+            for key in [k for k in plan._work if k[0] == "cuda_backend.fp8_compact"]:
+                del plan._work[key]
+        compact_kernel(q, cache, idx, plan)
+
     def call(q, cache, idx, mode: str):
         knobs = (cuda_backend.FP8_IN_KERNEL, cuda_backend.FP8_COMPACT_POOL)
         cuda_backend.FP8_IN_KERNEL = mode == "widen"
@@ -78,6 +86,7 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
         "expand-kernel": lambda i: kernel(sets[i][0], expand_fp8(sets[i][1]), sets[i][3], plans[i]),
         "widen-kernel": lambda i: kernel(sets[i][0], sets[i][1], sets[i][3], plans[i]),
         "compact-kernel": lambda i: compact_kernel(sets[i][0], sets[i][1], sets[i][3], plans[i]),
+        "compact-fresh-kernel": lambda i: compact_fresh(sets[i][0], sets[i][1], sets[i][3], plans[i]),
         "expand-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "expand"),
         "widen-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "widen"),
         "compact-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "compact"),
@@ -109,7 +118,7 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
             chk = check(out, ml, lse, q, dense, idx, rows, natural=True)
         result[name] = dict(base, method=name, **chk)
     for name in kernel_out:
-        if name.startswith(("widen-kernel", "compact-kernel")):
+        if name.startswith(("widen-kernel", "compact-")):
             result[name]["same_bits_as_bf16"] = bool(torch.equal(kernel_out[name], kernel_out["bf16-kernel"]))
     out_bytes = s_q * h * (D_V * 2 + 8)
     for name in ("expand-call", "widen-call", "compact-call", "default-call"):
@@ -126,7 +135,7 @@ def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--cases", default="pool-64K,pool-1M,pool-4M", help=f"comma-separated, from {list(SHAPES)}")
-    p.add_argument("--heads", default="16,8,64,128")
+    p.add_argument("--heads", default="16,8,32,64,128")
     p.add_argument("--workload", default="glm53-like")
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=3)
@@ -136,20 +145,21 @@ def main(argv=None, prog=None) -> int:
     a = p.parse_args(argv)
     builds = dict(spec.split("=", 1) for spec in a.builds.split(",") if spec)
     rows = []
-    print("| case | h | bf16 kernel | expand + kernel | widen kernel | compact + kernel | expand call | widen call | "
-          "compact call | default call | compact / bf16 | same bits widen / compact | extra MiB expand / widen / "
-          "compact | rel_err compact |", flush=True)
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| case | h | bf16 kernel | expand + kernel | widen kernel | compact + kernel | compact fresh + kernel | "
+          "expand call | widen call | compact call | default call | compact / bf16, kept / fresh | same bits widen / "
+          "compact / fresh | extra MiB expand / widen / compact | rel_err compact |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in a.cases.split(","):
         for h in (int(x) for x in a.heads.split(",")):
             got = {r["method"]: r for r in run_shape(SHAPES[name], h, a.workload, a.topk, a.rounds, a.warmup, a.rep,
                                                      builds)}
             rows += got.values()
-            w, c = got["widen-kernel"], got["compact-kernel"]
+            w, c, cf = got["widen-kernel"], got["compact-kernel"], got["compact-fresh-kernel"]
             print(f"| {name} | {h} | {got['bf16-kernel']['ms']:.3f} | {got['expand-kernel']['ms']:.3f} | "
-                  f"{w['ms']:.3f} | {c['ms']:.3f} | {got['expand-call']['ms']:.3f} | {got['widen-call']['ms']:.3f} | "
+                  f"{w['ms']:.3f} | {c['ms']:.3f} | {cf['ms']:.3f} | {got['expand-call']['ms']:.3f} | {got['widen-call']['ms']:.3f} | "
                   f"{got['compact-call']['ms']:.3f} | {got['default-call']['ms']:.3f} | "
-                  f"{c['over_bf16_kernel']:.3f} | {w['same_bits_as_bf16']} / {c['same_bits_as_bf16']} | "
+                  f"{c['over_bf16_kernel']:.3f} / {cf['over_bf16_kernel']:.3f} | {w['same_bits_as_bf16']} / "
+                  f"{c['same_bits_as_bf16']} / {cf['same_bits_as_bf16']} | "
                   f"{got['expand-call']['extra_mib']:.0f} / {got['widen-call']['extra_mib']:.0f} / "
                   f"{got['compact-call']['extra_mib']:.0f} | {c['rel_err']:.1e} |", flush=True)
             for bname in builds:

@@ -165,7 +165,8 @@ def sparse_prefill(
             raise ValueError("workspace is the memory of the plan a call builds; a given plan has its own")
     decision = dispatch.decide(backend, method, h, settings, plan=plan, auto=auto)
     s_kv = kv.shape[0]
-    kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], tuning["fp8_expand"])
+    kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], tuning["fp8_expand"],
+                            plan=plan if decision.quilt else None)
     if decision.quilt and plan is None:
         pkw = dispatch.plan_settings(h, backend, settings)
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)

@@ -195,17 +195,20 @@ def choose_backend(backend: str, q: torch.Tensor, kv: torch.Tensor, d_v: int, pl
     return "triton"
 
 
-def kernel_kv(q: torch.Tensor, kv: torch.Tensor, backend: str, topk: int, fp8_expand: bool | None) -> torch.Tensor:
-    """kv as ``backend``'s kernel reads it. An FP8 cache, for the CUDA kernel: expanded to q's dtype once per
-    call (prefill reads each row many times) in pools of up to ``cuda_backend.FP8_COMPACT_POOL`` rows; in
-    larger ones (bf16 q) given as it is, for ``cuda_backend.launch_sparse_attention_cuda`` to widen only the
-    rows the call references (or, with ``cuda_backend.FP8_IN_KERNEL``, to widen every gathered row in the
-    kernel). For Triton: expanded when ``fp8_expand`` (None: when the call gathers at least ``s_kv`` rows),
-    else as given (dequantized on load)."""
+def kernel_kv(q: torch.Tensor, kv: torch.Tensor, backend: str, topk: int, fp8_expand: bool | None,
+              plan=None) -> torch.Tensor:
+    """kv as ``backend``'s kernel reads it. An FP8 cache, for the CUDA kernel with bf16 q: given as it is, for
+    ``cuda_backend.launch_sparse_attention_cuda`` to widen only the rows the call references (or, with
+    ``cuda_backend.FP8_IN_KERNEL``, every gathered row in the kernel), in pools of more than
+    ``cuda_backend.FP8_COMPACT_POOL`` rows and wherever the call runs the caller's ``plan`` (which keeps the
+    numbering of its rows: its later calls only widen them), but for split-private plans; else expanded to q's
+    dtype once per call (prefill reads each row many times). For Triton: expanded when ``fp8_expand`` (None:
+    when the call gathers at least ``s_kv`` rows), else as given (dequantized on load)."""
     if kv.dtype != torch.uint8:
         return kv
+    reused_plan = plan is not None and plan.priv_n is None
     if (backend == "cuda" and q.dtype == torch.bfloat16 and fp8_expand is not True
-            and (cuda_backend.FP8_IN_KERNEL or kv.shape[0] > cuda_backend.FP8_COMPACT_POOL)):
+            and (cuda_backend.FP8_IN_KERNEL or reused_plan or kv.shape[0] > cuda_backend.FP8_COMPACT_POOL)):
         return kv
     from .ops.fp8_expand import expand_fp8, expansion_pays_off  # a Triton kernel module: imported when first used
 

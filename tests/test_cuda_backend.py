@@ -14,7 +14,7 @@ import torch
 from conftest import (HAS_CUDA, KERNEL_DEVICE, TOLERANCES, assert_matches_reference, make_inputs, natural_stats,
                       random_indices, randn)
 from quilt_attn import plan as make_plan
-from quilt_attn import PlanSettings, sparse_prefill, sparse_prefill_reference
+from quilt_attn import PlanSettings, dispatch, sparse_prefill, sparse_prefill_reference
 from quilt_attn.dispatch import choose_backend
 from quilt_attn.ops import cuda_backend
 from quilt_attn.ops.shapes import program_shape
@@ -387,6 +387,35 @@ def test_cuda_fp8_pool_compacted_equals_expanded(h, method, cap, monkeypatch, na
     dense = dequantize_fp8(cache)
     assert_matches_reference(got, sparse_prefill_reference(q, dense, idx, topk_length=lengths, attn_sink=sink),
                              BF16, what=f"fp8 compacted {method} h={h} {cap}")
+
+
+@gpu
+@on_hopper
+@pytest.mark.parametrize("h", [8, 16, 32])
+@pytest.mark.parametrize("cap", ["fits", "overflows"])
+def test_cuda_fp8_caller_plan_keeps_its_row_numbering(h, cap, monkeypatch, nan_poison):
+    """A caller's plan over an FP8 cache (any pool size): the numbering of the plan's rows is made on its first
+    call and kept with the plan; later calls only widen, and a second cache of other values through the same
+    plan gets its own result. Both equal the expanded cache's bit for bit (compacted or, overflowing, widened in
+    the kernel)."""
+    from quilt_attn import quantize_fp8
+    from quilt_attn.ops import fp8_compact
+
+    q, cache, idx, kw, _ = _fp8_case(h, "quilt")
+    lengths = kw["topk_length"]
+    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_ROWS", cache.shape[0] if cap == "fits" else 256)
+    p = make_plan(idx, s_kv=cache.shape[0], topk_length=lengths, **dispatch.plan_settings(h, "cuda"))
+    made = []
+    real = fp8_compact.compact_columns
+    monkeypatch.setattr(fp8_compact, "compact_columns", lambda *a, **k: made.append(1) or real(*a, **k))
+    other = quantize_fp8(torch.randn(cache.shape[0], 576, device="cuda", dtype=BF16,
+                                     generator=torch.Generator(device="cuda").manual_seed(11)))
+    for c in (cache, other, cache):
+        got = sparse_prefill(q, c, idx, plan=p, **kw)
+        want = sparse_prefill(q, c, idx, **kw, _triton={"fp8_expand": True})  # the whole cache expanded
+        for a, b, name in zip(got, want, ("out", "max_logits", "lse")):
+            assert torch.equal(a, b), f"h={h} {cap}: {name} differs from the expanded cache's"
+    assert len(made) == 1, f"the plan's rows were numbered {len(made)} times"
 
 
 @gpu

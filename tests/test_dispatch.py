@@ -112,6 +112,28 @@ def test_plan_cache_api():
             p.cached(bad, lambda: None)
 
 
+def test_fp8_cache_reaches_the_cuda_kernel_compacted_with_a_callers_plan(monkeypatch):
+    """``kernel_kv``: the CUDA kernel takes an FP8 cache as it is (its referenced rows compacted, the numbering
+    kept with the plan) wherever the call runs the caller's plan, but for a split-private plan, whose Triton pass
+    reads the cache's own rows; without one, only in pools above ``FP8_COMPACT_POOL`` rows (else expanded)."""
+    expanded = []
+    from quilt_attn.ops import fp8_expand
+
+    monkeypatch.setattr(fp8_expand, "expand_fp8", lambda kv, dtype: expanded.append(1) or "expanded")
+    q = torch.zeros(8, 16, 576, dtype=BF16)
+    cache = torch.zeros(64, 656, dtype=torch.uint8)
+    idx = generate("random", 8, 64, 16, seed=1)
+    kept = make_plan(idx, s_kv=64, group_size=4, merge_level=4, split_private=False)
+    split = make_plan(idx, s_kv=64, group_size=4, merge_level=4, split_private=True)
+    assert dispatch.kernel_kv(q, cache, "cuda", 16, None, plan=kept) is cache
+    assert dispatch.kernel_kv(q, cache, "cuda", 16, None, plan=split) == "expanded"
+    assert dispatch.kernel_kv(q, cache, "cuda", 16, None) == "expanded"
+    assert dispatch.kernel_kv(q, cache, "cuda", 16, True, plan=kept) == "expanded"  # (fp8_expand=True: expanded)
+    monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 32)
+    assert dispatch.kernel_kv(q, cache, "cuda", 16, None) is cache
+    assert len(expanded) == 3
+
+
 # ----------------------------------------------------------------------------- plan settings
 def test_plan_settings_are_the_calls():
     """One function gives the plan a call builds: group and merge level the queries a program holds

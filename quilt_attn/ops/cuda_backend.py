@@ -439,22 +439,31 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
     """The kernel over an FP8 cache's referenced rows widened into a compact bf16 buffer (``fp8_compact``),
     and, chosen on the device when they are more than ``cap`` (default ``FP8_COMPACT_ROWS``), over the cache
     itself, widened in the kernel; no host sync. Not for split-private plans (their Triton pass reads the
-    cache's own rows). ``repair``: as in ``launch``."""
-    from .fp8_compact import compact_fp8  # a Triton kernel module: imported when first used
+    cache's own rows). ``repair``: as in ``launch``.
+
+    With a plan, the numbering of its rows depends on its columns alone: it is made on the plan's first FP8
+    call and kept with the plan (``Plan.cached``; one more int32 a column), so a plan reused across calls pays
+    only the widening. Query programs number their index lists every call."""
+    from .fp8_compact import check_cache, compact_columns  # a Triton kernel module: imported when first used
 
     cap = min(FP8_COMPACT_ROWS if cap is None else cap, cache.shape[0])
     cache = cache.contiguous()
+    check_cache(cache)
+    s_kv = cache.shape[0]
     if plan is not None:
-        dense, cols, fits = compact_fp8(cache, plan.tile_kv, cap, packed=plan.tile_mask is None)
+        plan.wait()
+        c = plan.cached(("cuda_backend.fp8_compact", s_kv, cap),
+                        lambda: compact_columns(plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None))
         work = dict(plan=plan)
-        compact = dict(plan=plan, tile_kv=cols)
+        compact = dict(plan=plan, tile_kv=c.columns)
     else:
         indices = indices.contiguous()
-        dense, cols, fits = compact_fp8(cache, indices, cap, packed=False)
+        c = compact_columns(indices, s_kv, cap, packed=False)
         work = dict(indices=indices, topk_length=topk_length)
-        compact = dict(indices=cols, topk_length=topk_length)
-    launch(q, dense, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 1), repair=repair, **compact)
-    launch(q, cache, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(fits, 0), repair=repair, **work)
+        compact = dict(indices=c.columns, topk_length=topk_length)
+    launch(q, c.widen(cache), sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 1), repair=repair,
+           **compact)
+    launch(q, cache, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 0), repair=repair, **work)
 
 
 def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, repair_from=None):

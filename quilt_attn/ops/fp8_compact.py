@@ -11,6 +11,8 @@ launches the kernel on the compact rows to run when it is 1 and the in-kernel wi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -58,36 +60,49 @@ def _remap_kernel(words_ptr, n, incl_ptr, out_ptr, s_kv, PACKED: tl.constexpr, B
     tl.store(out_ptr + offs, tl.where(ok, new, w), mask=live)
 
 
-def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: bool):
-    """Widen the rows of ``cache`` that ``words`` reference into a compact buffer.
+@dataclass(frozen=True)
+class Compaction:
+    """The rows a set of columns references, numbered in pool order, and the columns renumbered to them: a
+    function of the columns alone (the indices), so a plan keeps its own and reuses it on every call over any
+    FP8 cache of ``s_kv`` rows; only the widening (``widen``) reads the cache.
+
+    Attributes
+    ----------
+    rows : int32 ``[cap]``, compact row ``i``'s pool row (the ``i``-th referenced row; past ``count``: unused).
+    count : int32 ``[1]``, the distinct referenced rows (on the device, never read on the host).
+    fits : int32 ``[1]``, 1 when ``count <= cap`` (else the compact rows miss some and the caller's other
+        launch must run).
+    columns : int32 like the words: each referencing word with its row renumbered, the others unchanged.
+    """
+
+    rows: torch.Tensor
+    count: torch.Tensor
+    fits: torch.Tensor
+    columns: torch.Tensor
+
+    def widen(self, cache: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[cap, 576]``: the referenced rows of ``cache`` dequantized (rows past ``count`` not written)."""
+        return expand_fp8(cache, rows=self.rows, count=self.count)  # (a 64K context: at most half the buffer)
+
+
+def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool) -> Compaction:
+    """Number the rows of a pool of ``s_kv`` rows that ``words`` reference and renumber the words to them.
 
     Parameters
     ----------
-    cache : uint8 ``[s_kv, 656]`` FP8 cache, contiguous.
     words : int32 columns, contiguous (any shape): plan tile columns (``packed``: ``row | bits << 24``, -1
         padding) or kv rows (query-parallel indices: negative or ``>= s_kv`` reference no row).
-    cap : rows of the compact buffer, ``1 <= cap <= s_kv``.
-
-    Returns
-    -------
-    dense : bf16 ``[cap, 576]``: compact row ``i`` is the ``i``-th referenced row in pool order (rows past
-        the referenced count are not written: no column reaches them while ``fits``).
-    remapped : int32 like ``words``: each referencing word with its row renumbered, the others unchanged.
-    fits : int32 ``[1]``, 1 when the call references at most ``cap`` distinct rows (else ``dense`` misses
-        some and the caller's other launch must run).
+    s_kv : rows of the pool the words address.
+    cap : rows of the compact numbering, ``1 <= cap <= s_kv``.
     """
-    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != FP8_BYTES or not cache.is_contiguous():
-        raise ValueError(f"cache must be a contiguous uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} "
-                         f"{tuple(cache.shape)}")
     if words.dtype != torch.int32 or not words.is_contiguous():
         raise ValueError(f"words must be contiguous int32, got {words.dtype}")
-    s_kv = cache.shape[0]
     if not isinstance(cap, int) or not 1 <= cap <= s_kv:
         raise ValueError(f"cap must be an int in [1, s_kv={s_kv}], got {cap!r}")
     if packed and s_kv > PACK_ROW_MASK:
         raise ValueError(f"packed columns address at most {PACK_ROW_MASK} rows, got s_kv={s_kv}")
     n = words.numel()
-    mark = torch.zeros(s_kv, dtype=torch.uint8, device=cache.device)  # (a byte a pool row)
+    mark = torch.zeros(s_kv, dtype=torch.uint8, device=words.device)  # (a byte a pool row)
     grid = (triton.cdiv(n, BLOCK),)
     if n:
         logp = (grid[0] - 1).bit_length()
@@ -96,10 +111,36 @@ def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: b
     count = incl[-1:]  # the distinct referenced rows (on the device)
     fits = (count <= cap).to(torch.int32)
     # compact row i is the first pool row where the count reaches i + 1
-    want = torch.arange(1, cap + 1, dtype=torch.int32, device=cache.device)
+    want = torch.arange(1, cap + 1, dtype=torch.int32, device=words.device)
     rows = torch.searchsorted(incl, want, out_int32=True).clamp_(max=s_kv - 1)
-    dense = expand_fp8(cache, rows=rows, count=count)  # (a call of a 64K context: at most half the buffer)
-    remapped = torch.empty_like(words)
+    columns = torch.empty_like(words)
     if n:
-        _remap_kernel[grid](words, n, incl, remapped, s_kv, PACKED=packed, BLOCK=BLOCK)
-    return dense, remapped, fits
+        _remap_kernel[grid](words, n, incl, columns, s_kv, PACKED=packed, BLOCK=BLOCK)
+    return Compaction(rows, count.clone(), fits, columns)
+
+
+def check_cache(cache: torch.Tensor) -> None:
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != FP8_BYTES or not cache.is_contiguous():
+        raise ValueError(f"cache must be a contiguous uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+
+
+def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: bool):
+    """Widen the rows of ``cache`` that ``words`` reference into a compact buffer (``compact_columns``, then
+    ``Compaction.widen``).
+
+    Parameters
+    ----------
+    cache : uint8 ``[s_kv, 656]`` FP8 cache, contiguous.
+    words, cap, packed : as ``compact_columns``'s.
+
+    Returns
+    -------
+    dense : bf16 ``[cap, 576]``: compact row ``i`` is the ``i``-th referenced row in pool order (rows past
+        the referenced count are not written: no column reaches them while ``fits``).
+    remapped : int32 like ``words``: each referencing word with its row renumbered, the others unchanged.
+    fits : int32 ``[1]``, 1 when the call references at most ``cap`` distinct rows.
+    """
+    check_cache(cache)
+    c = compact_columns(words, cache.shape[0], cap, packed=packed)
+    return c.widen(cache), c.columns, c.fits
