@@ -67,7 +67,7 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
 
     def compact_fresh(q, cache, idx, plan):  # the rows numbered again every call, as a plan made in the call is
         if plan is not None:
-            for key in [k for k in plan._work if k[0] == "cuda_backend.fp8_compact"]:
+            for key in [k for k in plan._work if isinstance(k, tuple) and k[0] == "cuda_backend.fp8_compact"]:
                 del plan._work[key]
         compact_kernel(q, cache, idx, plan)
 

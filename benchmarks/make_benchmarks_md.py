@@ -29,7 +29,7 @@ DEFAULTS = dict(
     clip=RESULTS / "clip_accuracy_cpu.json",
     engine=RESULTS / "h200_engine_shapes.json",  # used when present
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
-    fp8_cache=RESULTS / "h200_fp8_cache_ea43366.json",
+    fp8_cache=[RESULTS / "h200_fp8_cache_e26db81.json", RESULTS / "h200_fp8_cache_qp_e26db81.json"],
     repair=RESULTS / "h200_repair_cost_00482d8.json",
 )
 
@@ -57,11 +57,9 @@ UNMEASURED_CHANGES = [
     "check otherwise; the FP8-cache section's bf16-kernel rows ran with it);",
     "a QUILT call queues the queries whose output holds a NaN and runs the repair pass over them (measured in "
     "the repair-pass and FP8-cache sections; the grid and engine-shape rows predate it);",
-    "the FP8 compaction widens only the rows a call references, not its whole buffer (measured in the FP8-cache "
-    "section);",
-    "the FP8 compaction's mark pass keeps a byte a pool row, reads a mark before storing it and runs its programs "
-    "in bit-reversed order (the pass alone: 397 -> 196 us at h = 16, 250 -> 171 us at h = 8 in a 4M-row pool, "
-    "`benchmarks/results/h200_fp8_mark_variants_d170b05.txt`; the FP8-cache section predates it).",
+    "the FP8 compaction widens only the rows a call references, keeps a byte a pool row in its mark pass (read "
+    "before stored, programs in bit-reversed order), and a plan keeps the numbering of its rows (all measured in "
+    "the FP8-cache section).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
 # What ran at the commits of the recorded files (a result file names its commit only); results of these commits
@@ -536,44 +534,56 @@ def _plot(rows, png, gpu) -> None:
     plt.close(fig)
 
 
-def _fp8_cache(doc, path, root) -> list[str]:
+def _fp8_cache(docs, paths, root) -> list[str]:
     """The FP8 cache on the CUDA backend: the pool expanded to bf16, the referenced rows compacted, or every
-    gathered row widened in the kernel, beside the bf16 kernel on the dequantized pool."""
-    if doc is None:
+    gathered row widened in the kernel, beside the bf16 kernel on the dequantized pool (one or more runs)."""
+    docs = [d for d in docs if d is not None]
+    if not docs:
         return []
+    heads = "; ".join(_header_lines(d, pth, root) for d, pth in zip(docs, paths))
     lines = ["## FP8 cache on the CUDA backend", "",
-             f"`benchmarks/fp8_cache.py` ({_header_lines(doc, path, root)}): slot ids into an FP8 pool (uint8 rows "
-             "of 656 bytes), GLM-5.3-like, s_q 16384 of a 64K context. Kernel rows have the plan built "
-             "beforehand: `bf16`, the kernel on the pool dequantized beforehand; `expand`, the whole pool widened "
-             "to bf16, then the kernel; `compact`, the rows the call references widened into a compact buffer "
-             "and the columns renumbered (`ops/fp8_compact.py`), then the kernel on it; `widen`, the kernel "
-             "reading the FP8 rows and widening them on their way into shared memory. `call`: "
-             "`sparse_prefill` made to take each path; `default`: as it is (expanded up to "
-             "`FP8_COMPACT_POOL` = 512K rows, compacted above). Every output equals the bf16 kernel's bit for "
-             "bit (`same bits`); `extra MiB`: the call's peak device memory above inputs and outputs.", "",
-             "| pool | h | bf16 kernel | expand + kernel | compact + kernel | widen kernel | expand call | "
-             "compact call | widen call | default call | extra MiB expand / compact / widen | same bits |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"`benchmarks/fp8_cache.py` ({heads}): slot ids into an FP8 pool (uint8 rows of 656 bytes), "
+             "GLM-5.3-like, s_q 16384 of a 64K context. Kernel rows have the plan built beforehand: `bf16`, the "
+             "kernel on the pool dequantized beforehand; `expand`, the whole pool widened to bf16, then the "
+             "kernel; `compact`, the rows the plan references widened into a compact buffer, then the kernel on "
+             "it, the numbering of the rows (mark, prefix sum, renumbered columns: `ops/fp8_compact.py`) kept "
+             "with the plan from its first call, so a call only widens; `compact fresh`, the same with the rows "
+             "numbered again every call (what a plan made in the call pays, and query programs, h >= 64, always "
+             "do: there the two are the same path); `widen`, the kernel reading the FP8 rows and widening them "
+             "on their way into shared memory. `call`: `sparse_prefill` made to take each path, the plan made in "
+             "the call; `default`: as it is (expanded up to `FP8_COMPACT_POOL` = 512K rows, compacted above; "
+             "with a caller's plan, compacted at any size). Every output equals the bf16 kernel's bit for bit "
+             "(`same bits`); `extra MiB`: the call's peak device memory above inputs and outputs. Two rounds "
+             "a row (their spread is a few percent).", "",
+             "| pool | h | bf16 kernel | expand + kernel | compact + kernel | / bf16 | compact fresh + kernel | "
+             "/ bf16 | widen kernel | expand call | compact call | default call | extra MiB expand / compact / "
+             "widen | same bits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = {}
-    for r in doc["rows"]:
-        by.setdefault((r["shape"], r["h"]), {})[r["method"]] = r
-    for (shape, h), m in by.items():
+    for doc in docs:
+        for r in doc["rows"]:
+            by.setdefault((r["shape"], r["h"]), {})[r["method"]] = r
+    for (shape, h), m in sorted(by.items(), key=lambda kv: (kv[0][0] != "pool-64K", kv[0][0], kv[0][1])):
         ms = lambda k: f"{m[k]['ms']:.3f}" if k in m else "-"  # noqa: E731
+        ratio = lambda k: f"{m[k]['over_bf16_kernel']:.3f}" if k in m else "-"  # noqa: E731
         mib = lambda k: f"{m[k]['extra_mib']:.0f}" if k in m else "-"  # noqa: E731
         same = all(m[k].get("same_bits_as_bf16", True) for k in m if k.endswith("-kernel") and k != "bf16-kernel")
         lines.append(f"| {shape} | {h} | {ms('bf16-kernel')} | {ms('expand-kernel')} | {ms('compact-kernel')} | "
-                     f"{ms('widen-kernel')} | {ms('expand-call')} | {ms('compact-call')} | {ms('widen-call')} | "
-                     f"{ms('default-call')} | {mib('expand-call')} / {mib('compact-call')} / {mib('widen-call')} | "
+                     f"{ratio('compact-kernel')} | {ms('compact-fresh-kernel')} | {ratio('compact-fresh-kernel')} | "
+                     f"{ms('widen-kernel')} | {ms('expand-call')} | {ms('compact-call')} | {ms('default-call')} | "
+                     f"{mib('expand-call')} / {mib('compact-call')} / {mib('widen-call')} | "
                      f"{'yes' if same else '**no**'} |")
-    cost = [m["compact-kernel"]["ms"] - m["bf16-kernel"]["ms"] for (_, h), m in by.items()
-            if h <= 16 and "compact-kernel" in m and "bf16-kernel" in m]
-    qp = [m["compact-kernel"]["ms"] - m["bf16-kernel"]["ms"] for (_, h), m in by.items()
-          if h >= 64 and "compact-kernel" in m and "bf16-kernel" in m]
-    lines += ["", f"Times in ms. Compacting costs {_span(cost, '{:.2f}')} ms at h = 8-16"
-              + (f" ({_span(qp, '{:.2f}')} ms query-parallel at h = 64, whose columns are the s_q x topk index "
-                 "lists)" if qp else "") + " whatever the pool; expanding grows with the pool. The "
-              "widened kernel is producer-bound (about twice the bf16 kernel: one warpgroup gathers and widens, "
-              "on each half tile's refill path; docs/design-log.md, 2026-12-02). A call referencing more than "
+    kept = [m["compact-kernel"]["over_bf16_kernel"] for (_, h), m in by.items() if h <= 32 and "compact-kernel" in m]
+    fresh = [m["compact-fresh-kernel"]["ms"] - m["bf16-kernel"]["ms"] for (_, h), m in by.items()
+             if h <= 32 and "compact-fresh-kernel" in m]
+    qp = [m["compact-kernel"]["over_bf16_kernel"] for (_, h), m in by.items() if h >= 64 and "compact-kernel" in m]
+    lines += ["", "Times in ms. With the plan's numbering kept, the FP8 kernel path costs "
+              f"{_span(kept, '{:.3f}')}x the bf16 kernel at h = 8-32 in both pools (the widening of the "
+              f"referenced rows, about 33 us); numbering the rows again costs {_span(fresh, '{:.2f}')} ms a call"
+              + (f"; query programs (h >= 64) number their s_q x topk index lists every call: "
+                 f"{_span(qp, '{:.3f}')}x" if qp else "") + ". Expanding grows with the pool. The widened kernel "
+              "is producer-bound (about twice the bf16 kernel: one warpgroup gathers and widens, on each half "
+              "tile's refill path; docs/design-log.md, 2026-12-02). A call referencing more than "
               "`FP8_COMPACT_ROWS` (131,072) distinct rows runs the widening kernel, chosen on the device.", ""]
     return lines
 
@@ -658,7 +668,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     clip : the CPU importance-clipping study (``quilt-bench report``).
     engine : the engine-shape run (``benchmarks/run.py engine-shapes``); a missing file says it has not run.
     fp8_mode : the FP8 mode's accuracy emulation (``benchmarks/fp8_accuracy.py``); missing: no section.
-    fp8_cache : the FP8-cache run (``benchmarks/run.py fp8-cache``); missing: no section.
+    fp8_cache : the FP8-cache run or runs (``benchmarks/run.py fp8-cache``; a path or a list); missing: no section.
     repair : the repair-pass cost run (``benchmarks/run.py repair-cost``); missing: no section.
     target : the markdown file (default ``<root>/BENCHMARKS.md``); text below ``MARKER`` in it is kept.
     root : paths in the text are relative to it (default: the repository root).
@@ -672,7 +682,8 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     rep_docs = [d for d in (_load(p) for p in repeats) if d]
     fm_docs = [d for d in (_load(p) for p in flashmla) if d]
     ov, bs, cl, en, f8 = _load(plan_overlap), _load(plan_beside), _load(clip), _load(engine), _load(fp8_mode)
-    fc, rp = _load(fp8_cache), _load(repair)
+    fp8_paths = [] if fp8_cache is None else ([fp8_cache] if isinstance(fp8_cache, (str, Path)) else list(fp8_cache))
+    fc, rp = [_load(x) for x in fp8_paths], _load(repair)
     png = Path(png) if png is not None else grid.with_suffix(".png")
     if plot:
         _plot(rows, png, gdoc.get("gpu"))
@@ -696,7 +707,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
         *_planning(rows + [r for d in rep_docs for r in d["rows"] if "ms" in r], ov, bs, root,
                    (plan_overlap, plan_beside)),
         *_engine(en, engine, root),
-        *_fp8_cache(fc, fp8_cache, root),
+        *_fp8_cache(fc, fp8_paths, root),
         *_repair(rp, repair, root),
         *_fp8_mode(f8, fp8_mode, root),
         *_targets(rows, [[r for r in d["rows"] if "ms" in r] for d in rep_docs], fm_docs, ov, bs, cl),
@@ -725,7 +736,7 @@ def main(argv=None) -> None:
     p.add_argument("--clip", default=str(DEFAULTS["clip"]))
     p.add_argument("--engine", default=str(DEFAULTS["engine"]))
     p.add_argument("--fp8-mode", default=str(DEFAULTS["fp8_mode"]))
-    p.add_argument("--fp8-cache", default=str(DEFAULTS["fp8_cache"]))
+    p.add_argument("--fp8-cache", action="append", default=None, help="an FP8-cache run (repeatable)")
     p.add_argument("--repair", default=str(DEFAULTS["repair"]))
     p.add_argument("--out", default=None, help="default: BENCHMARKS.md at the repository root")
     p.add_argument("--no-plot", action="store_true")
@@ -733,7 +744,8 @@ def main(argv=None) -> None:
     path = write_benchmarks_md(
         a.grid, repeats=a.repeat if a.repeat is not None else DEFAULTS["repeats"],
         flashmla=a.flashmla if a.flashmla is not None else DEFAULTS["flashmla"], plan_overlap=a.plan_overlap,
-        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, fp8_mode=a.fp8_mode, fp8_cache=a.fp8_cache,
+        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, fp8_mode=a.fp8_mode,
+        fp8_cache=a.fp8_cache if a.fp8_cache is not None else DEFAULTS["fp8_cache"],
         repair=a.repair, target=a.out,
         plot=not a.no_plot)
     print(path)

@@ -57,6 +57,16 @@
 #include "sm90_measure.cuh"
 #include "sm90_producer.cuh"
 
+// Measurement hooks, for a study that runs another consumer of the same producer (benchmarks/owner_exact/
+// swapped_sm90.cu defines both before including this file): the consumers' loop and the shared memory a CTA
+// takes. The library's own build defines neither.
+#ifndef QUILT_CONSUMERS
+#define QUILT_CONSUMERS consume_programs
+#endif
+#ifndef QUILT_SMEM_BYTES
+#define QUILT_SMEM_BYTES kSmemBytes
+#endif
+
 namespace quilt_sm90 {
 using namespace quilt_ptx;
 
@@ -89,20 +99,20 @@ __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_co
   // persistent: the producer hands over each program's work item with its q (a loop a warpgroup:
   // with both in one loop body ptxas spilled the accumulators)
   if (wg == 0) {
-    consume_programs<T, OutT, kMma, 0>(p, smem, bars);
+    QUILT_CONSUMERS<T, OutT, kMma, 0>(p, smem, bars);
   } else {
-    consume_programs<T, OutT, kMma, 1>(p, smem, bars);
+    QUILT_CONSUMERS<T, OutT, kMma, 1>(p, smem, bars);
   }
 }
 
 template <typename T, typename OutT, bool kMma = true, bool kFp8 = false>
 int launch(const Params& p, int ctas, cudaStream_t stream) {
   auto kernel = quilt_sm90_kernel<T, OutT, kMma, kFp8>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, QUILT_SMEM_BYTES);
   if (err != cudaSuccess) return static_cast<int>(err);
   err = cudaMemsetAsync(p.work_counter, 0, sizeof(int), stream);
   if (err != cudaSuccess) return static_cast<int>(err);
-  kernel<<<ctas, kThreads, kSmemBytes, stream>>>(p);
+  kernel<<<ctas, kThreads, QUILT_SMEM_BYTES, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
