@@ -30,6 +30,8 @@ CASES = {
     "sanitize-plan": ("sanitize_plan", "a small CUDA-planner run for compute-sanitizer"),
     "boundary-timeline": ("boundary_timeline", "clock64 stamps of the CUDA kernel's program boundaries"),
     "profile": ("profile_cuda", "one launch for Nsight Compute, and its stall summary"),
+    "owner-exact-prototype": ("owner_exact.prototype", "the swapped (owner-exact) program on real plans beside "
+                              "today's kernel, interleaved"),
     "owner-exact": ("owner_exact.predict", "swapped (owner-exact) tiles: model x plan owner counts (CPU; "
                     "--measured: tile_rate.cu's JSON)"),
     "fp8-accuracy": ("fp8_accuracy", "FP8 tensor-core mode (CPU emulation) against the exact path: q / P "

@@ -107,3 +107,30 @@ def test_main_smoke(tmp_path, capsys):
     forms = {r["form"] for r in res["results"][0]["forms"]}
     assert {"today", "regrouped", "cascade", "hybrid", "ideal"} <= forms
     assert "decision" in capsys.readouterr().out
+
+
+def test_prototype_regroup_keeps_the_columns_and_sorts_them_by_span():
+    """benchmarks/owner_exact/prototype.py's regrouped plan (CPU): every group's (row, member bits) columns are
+    the plan's, as a multiset; tiles hold columns in (span length, first owner) order, padding only at a group's
+    end; and the span statistics count what the swapped program computes."""
+    import prototype
+
+    for h, wl in ((16, "glm53-like"), (8, "random")):
+        idx = generate(wl, 64, 4096, 256, seed=3)
+        plan = quilt_attn.plan(idx, s_kv=4096, backend="torch", **plan_settings(h, "cuda"))
+        new = prototype.regroup(plan, h)
+        (r0, m0), (r1, m1) = plan.columns(), new.columns()
+        for g in range(plan.n_groups):
+            a = sorted(zip(r0[g][m0[g] != 0].tolist(), m0[g][m0[g] != 0].tolist()))
+            b = sorted(zip(r1[g][m1[g] != 0].tolist(), m1[g][m1[g] != 0].tolist()))
+            assert a == b
+            n = len(b)
+            flat_m = m1[g].reshape(-1)
+            assert (flat_m[:n] != 0).all() and (flat_m[n:] == 0).all()  # padding only past the last column
+            lo, ln = prototype.owner_span(flat_m[:n])
+            key = (lo + ln if prototype.prefix(h) else ln * 64 + lo).tolist()
+            assert key == sorted(key)
+            assert int(new.group_tiles[g]) == -(-n // plan.tile)
+        st, st0 = prototype.span_stats(new, h), prototype.span_stats(plan, h)
+        assert st["tiles"] <= st0["tiles"] and sum(st["span_hist"]) == st["tiles"]
+        assert 0 < st["swapped_work"] <= 1 and st["today_useful"] <= st["swapped_useful"] <= 1

@@ -10,7 +10,7 @@ gives the text.
 """
 from pathlib import Path
 
-WIDTHS = (8, 16, 24, 32, 48, 64)
+WIDTHS = (8, 16, 24, 32, 40, 48, 56, 64)
 
 
 def wrapper(name: str, n: int, trans_a: int, trans_b: int) -> str:
