@@ -22,7 +22,7 @@ records the tiles and the prototype's predicted work: per tile N = h x the span'
 
     python benchmarks/run.py owner-exact-prototype --out F [--cases glm53-like:16,glm53-like:8,...] [--variants ...]
 
-(builds the three prototype libraries on first use, about 3 minutes each with nvcc 13)
+(builds the prototype libraries on first use, about 3 minutes each with nvcc 13)
 """
 from __future__ import annotations
 
@@ -42,15 +42,22 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("swapped_sm90.cu", "swapped_consumer.cuh", "wgmma_small.cuh")
 
 
-FORMS = {"spans": 0, "full": 1, "serial": 2}  # swapped_consumer.cuh's OE_FORM
+# swapped_consumer.cuh's build switches (OE_FORM, OE_ONLY_H) of each library: the span forms one for each head
+# count (ptxas serializes the h = 16 one's wgmma, and would the whole kernel's with it)
+FORMS = {"spans8": (0, 8), "spans16": (0, 16), "full": (1, 0), "serial": (2, 0)}
 
 
-def library(form: str = "spans", nvcc: str | None = None) -> Path:
+def form_of(kernel: str, h: int) -> str:
+    return f"{kernel}{h}" if kernel == "spans" else kernel
+
+
+def library(form: str = "spans16", nvcc: str | None = None) -> Path:
     """The prototype library of ``form`` (``FORMS``), built unless cached beside the package's (by a hash of
     every source and the flags)."""
     from quilt_attn.ops import cuda_backend
 
-    flags = (*cuda_backend.NVCC_FLAGS, f"-DOE_FORM={FORMS[form]}")
+    oe_form, only_h = FORMS[form]
+    flags = (*cuda_backend.NVCC_FLAGS, f"-DOE_FORM={oe_form}", f"-DOE_ONLY_H={only_h}")
     h = hashlib.sha256(" ".join(flags).encode())
     for name in SOURCES:
         h.update((HERE / name).read_bytes())
@@ -156,7 +163,9 @@ def main(argv=None, prog=None) -> int:
                                                     "(for Nsight Compute: its third launch)")
     a = p.parse_args(argv)
     names = [a.profile] if a.profile else a.variants.split(",")
-    libs = {k: str(library(k)) for k in sorted({n.partition("-")[0] for n in names} - {"today"})}
+    heads = {int(c.split(":")[1]) for c in a.cases.split(",")}
+    libs = {f: str(library(f)) for f in sorted({form_of(n.partition("-")[0], h) for n in names for h in heads}
+                                               - {"today"})}
     rows = []
     for case_s in a.cases.split(","):
         wl, h = case_s.split(":")
@@ -170,7 +179,7 @@ def main(argv=None, prog=None) -> int:
         for name in names:
             kernel, _, which = name.partition("-")
             pl = plans["regrouped" if which == "regrouped" else "plan"]
-            libpath = None if kernel == "today" else libs[kernel]
+            libpath = None if kernel == "today" else libs[form_of(kernel, h)]
             call_, out, ml, lse = bench.cuda_call(inp, h, dict(plan=pl))
 
             def call(q, kv, call_=call_, libpath=libpath):

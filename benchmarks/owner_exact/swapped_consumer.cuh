@@ -564,16 +564,25 @@ __device__ __forceinline__ void consume_loop(const Params& p, uint8_t* smem, con
 
 // The consumers of this build: the swapped program for bf16 plans of 64 / h queries at h = 8 or 16 (every such
 // work item; the caller passes only those), today's for everything else.
+// OE_ONLY_H (a build switch): 8 or 16 builds that head count's program alone. ptxas decides once a kernel whether
+// its wgmma are serialized, so the h = 16 span program (serialized) would otherwise slow the h = 8 one.
+#ifndef OE_ONLY_H
+#define OE_ONLY_H 0
+#endif
 template <typename T, typename OutT, bool kMma, int wg>
 __device__ __forceinline__ void consume_programs_swapped(const Params& p, uint8_t* smem, const Bars& bars) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<OutT, __nv_bfloat16>::value && kMma) {
-    if (p.from_plan && p.qp * p.hb == kRows && p.hb == 8) {
-      swapped::consume_loop<8, wg>(p, smem, bars);
-      return;
+    if constexpr (OE_ONLY_H != 16) {
+      if (p.from_plan && p.qp * p.hb == kRows && p.hb == 8) {
+        swapped::consume_loop<8, wg>(p, smem, bars);
+        return;
+      }
     }
-    if (p.from_plan && p.qp * p.hb == kRows && p.hb == 16) {
-      swapped::consume_loop<16, wg>(p, smem, bars);
-      return;
+    if constexpr (OE_ONLY_H != 8) {
+      if (p.from_plan && p.qp * p.hb == kRows && p.hb == 16) {
+        swapped::consume_loop<16, wg>(p, smem, bars);
+        return;
+      }
     }
   }
   consume_programs<T, OutT, kMma, wg>(p, smem, bars);
