@@ -97,8 +97,8 @@ def sparse_prefill(
     plan : a ``Plan`` from ``quilt_attn.plan`` (or ``plan_ahead``) built from these ``indices`` (reuse it
         across layers); built here (with ``settings``) when None.
     backend : ``"triton"`` (portable), ``"cuda"`` (Hopper sm_90a kernel, compiled with nvcc on first
-        use; d_qk 576 / d_v 512; an FP8 cache is expanded to bf16 once per call) or ``"auto"``
-        (``dispatch.choose_backend``).
+        use; d_qk 576 / d_v 512; an FP8 cache is widened to bf16 rows first, ``dispatch.kernel_kv``) or
+        ``"auto"`` (``dispatch.choose_backend``).
     method : ``"quilt"`` (shared-query execution), ``"query_parallel"`` or ``"reference"`` (float64).
     settings : ``quilt_attn.PlanSettings``: the plan built here (group size, tile, clipping, merge level,
         private rows) and whether QUILT runs a plan at all (``fallback``); None: the defaults. What runs is
