@@ -29,7 +29,7 @@ DEFAULTS = dict(
     clip=RESULTS / "clip_accuracy_cpu.json",
     engine=RESULTS / "h200_engine_shapes.json",  # used when present
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
-    fp8_cache=[RESULTS / "h200_fp8_cache_e26db81.json", RESULTS / "h200_fp8_cache_qp_e26db81.json"],
+    fp8_cache=[RESULTS / "h200_fp8_cache_dc8143f.json"],
     repair=RESULTS / "h200_repair_cost_00482d8.json",
 )
 
@@ -553,8 +553,9 @@ def _fp8_cache(docs, paths, root) -> list[str]:
              "on their way into shared memory. `call`: `sparse_prefill` made to take each path, the plan made in "
              "the call; `default`: as it is (expanded up to `FP8_COMPACT_POOL` = 512K rows, compacted above; "
              "with a caller's plan, compacted at any size). Every output equals the bf16 kernel's bit for bit "
-             "(`same bits`); `extra MiB`: the call's peak device memory above inputs and outputs. Two rounds "
-             "a row (their spread is a few percent).", "",
+             "(`same bits`); `extra MiB`: the call's peak device memory above inputs and outputs. A row's ms is "
+             "the median of its interleaved rounds, which spread by up to 5-8% on this power-capped board (the "
+             "first round runs fastest): a ratio within a few percent of 1 is the spread, not a cost.", "",
              "| pool | h | bf16 kernel | expand + kernel | compact + kernel | / bf16 | compact fresh + kernel | "
              "/ bf16 | widen kernel | expand call | compact call | default call | extra MiB expand / compact / "
              "widen | same bits |",
