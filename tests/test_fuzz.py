@@ -248,7 +248,7 @@ def _faults_for(method: str) -> list[str]:
               "fp8_1d", "tl_float", "tl_shape", "sink_f16", "sink_shape", "sm_scale_str", "sm_scale_tensor",
               "sm_scale_nan", "d_v_float", "d_v_big", "kv_list", "method_bad"]
     if method != "reference":
-        common += ["q_float32", "kv_bf16", "q_last_strided", "heads_129", "backend_bad", "plan_other", "plan_tl"]
+        common += ["q_float32", "kv_dtype", "q_last_strided", "heads_129", "backend_bad", "plan_other", "plan_tl"]
     return common
 
 
@@ -265,7 +265,7 @@ def fault_error(fault: str, method: str):
         "sm_scale_tensor": (TypeError, "sm_scale"), "sm_scale_nan": (ValueError, "sm_scale"),
         "d_v_float": (TypeError, "d_v must be an int"), "d_v_big": (ValueError, "d_v must be an int"),
         "kv_list": (TypeError, "kv must be a torch.Tensor"), "method_bad": (ValueError, "method must be one of"),
-        "q_float32": (TypeError, "q must have dtype"), "kv_bf16": (TypeError, "kv must have q's dtype"),
+        "q_float32": (TypeError, "q must have dtype"), "kv_dtype": (TypeError, "kv must have q's dtype"),
         "q_last_strided": (ValueError, "q must be contiguous in its last dimension"),
         "heads_129": (ValueError, "q must have 1..128 heads"), "backend_bad": (ValueError, "backend must be one of"),
         "plan_other": (ValueError, "indices are not the tensor the plan was built from"),
@@ -417,8 +417,9 @@ def apply_fault(c: Case) -> dict:
         args["method"] = "dense"
     elif f == "q_float32":
         args["q"] = c.q.float()
-    elif f == "kv_bf16":
-        args["kv"] = torch.zeros(4, c.q.shape[2], dtype=torch.bfloat16, device=c.q.device)
+    elif f == "kv_dtype":  # kv of the other 16-bit type than q's (the CUDA fuzz draws bf16 q)
+        other = torch.float16 if c.q.dtype == torch.bfloat16 else torch.bfloat16
+        args["kv"] = torch.zeros(4, c.q.shape[2], dtype=other, device=c.q.device)
     elif f == "q_last_strided":
         args["q"] = layout(c.q.contiguous(), "last_strided")
     elif f == "heads_129":
