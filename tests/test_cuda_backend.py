@@ -528,6 +528,14 @@ def test_cuda_scale_not_positive(nan_poison, sm_scale):
     got = sparse_prefill(q, kv, idx, sm_scale, backend="cuda")
     assert_matches_reference(got, sparse_prefill_reference(q, kv, idx, sm_scale), torch.bfloat16,
                              what=f"sm_scale={sm_scale}")
+    q[3, 2, 7] = float("nan")  # q.k x scale is NaN for every row of that query's head, whatever the scale
+    got = sparse_prefill(q, kv, idx, sm_scale, backend="cuda")
+    assert torch.isnan(got[0][3, 2]).all(), "a NaN in q reaches its head's output"
+    keep = torch.ones(40, 16, dtype=torch.bool, device="cuda")
+    keep[3, 2] = False
+    want = sparse_prefill_reference(q, kv, idx, sm_scale)
+    assert_matches_reference(tuple(t[keep] for t in got), tuple(t[keep] for t in want), torch.bfloat16,
+                             what=f"sm_scale={sm_scale}, NaN in q")
 
 
 def test_launch_refuses_a_scale_it_cannot_run():

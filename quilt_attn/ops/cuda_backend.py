@@ -407,8 +407,9 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     if q.shape[0] == 0:
         return out, max_logits, lse
     q, kv = aligned_16(q), aligned_16(kv)
-    if sm_scale <= 0:  # the kernel's running max assumes a positive scale: q.k s = (-q).k (-s), exactly
-        q, sm_scale = (-q, -sm_scale) if sm_scale < 0 else (torch.zeros_like(q), 1.0)
+    if sm_scale <= 0:  # the kernel's running max assumes a positive scale: q.k s = (-q).k (-s), exactly; a zero
+        # scale is q times 0 (a NaN or inf in q still makes its logits NaN, as q.k x 0 does) at scale 1
+        q, sm_scale = (-q, -sm_scale) if sm_scale < 0 else (q * 0, 1.0)
     if plan is not None:
         run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink,
                              repair_from=None if indices is None else (indices, topk_length))
