@@ -13,8 +13,9 @@ DeepSeek-3.2-like or random indices, s_q 16384 of a 64K context, Top-2048):
   run of query slots holding its owners; h = 8: slots 0 to the last owner; ``swapped_consumer.cuh``);
 * ``full-regrouped``: the prototype with every tile at full width (N = 64: today's products, the swapped
   program's bookkeeping), so ``spans`` against ``full`` is what the spans save;
-* ``serial-regrouped``: ``full`` with a second wgmma shape in a case never taken, which makes ptxas serialize
-  the kernel's wgmma as it does some span builds (h = 8 only: at h = 16 this build is ``full``);
+* ``serial-regrouped``: ``full`` with a second wgmma shape in a case never taken, meant to make ptxas serialize
+  the kernel's wgmma as it does the span builds (it did in a consumer built alone, not in the library: there it
+  measures the dead shape's code);
 * any kernel without ``-regrouped``: on the plan as built.
 
 Every output starts NaN-poisoned and is checked against the float32 reference on sampled queries. Each row
