@@ -578,6 +578,16 @@ def _fp8_cache(docs, paths, root) -> list[str]:
     fresh = [m["compact-fresh-kernel"]["ms"] - m["bf16-kernel"]["ms"] for (_, h), m in by.items()
              if h <= 32 and "compact-fresh-kernel" in m]
     qp = [m["compact-kernel"]["over_bf16_kernel"] for (_, h), m in by.items() if h >= 64 and "compact-kernel" in m]
+    # the path a call takes by default with a prebuilt plan in a pool of FP8_COMPACT_POOL rows or fewer: compacted
+    # (numbering kept) where it runs the plan (h <= 32), expanded for query programs (h >= 64)
+    small = [(h, m["compact-kernel" if h <= 32 else "expand-kernel"]["ms"] / m["bf16-kernel"]["ms"])
+             for (shape, h), m in sorted(by.items(), key=lambda kv: kv[0][1]) if shape == "pool-64K"
+             and "bf16-kernel" in m and ("compact-kernel" if h <= 32 else "expand-kernel") in m]
+    if small:
+        lines += ["", "In the 64K pool (a 64K context, the FP8 target's shape) the default path with a prebuilt "
+                  "plan, compacted with its numbering kept where the call runs the plan (h <= 32) and expanded "
+                  "for query programs (h >= 64, a pool of at most `FP8_COMPACT_POOL` rows), costs "
+                  + ", ".join(f"{r:.3f}x at h = {h}" for h, r in small) + " the bf16 kernel."]
     lines += ["", "Times in ms. With the plan's numbering kept, the FP8 kernel path costs "
               f"{_span(kept, '{:.3f}')}x the bf16 kernel at h = 8-32 in both pools (the widening of the "
               f"referenced rows, about 33 us); numbering the rows again costs {_span(fresh, '{:.2f}')} ms a call"
