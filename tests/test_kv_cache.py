@@ -246,15 +246,15 @@ def test_fp8_cache_layout_is_checked_in_one_place():
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_compact_fp8_widens_the_referenced_rows_and_renumbers_them(packed, monkeypatch):
-    """``fp8_compact.compact_fp8`` (Triton; its interpreter on a CPU): every referencing word, renumbered,
-    reaches the same dequantized values as the original row did (bit for bit); padding, negative and
-    out-of-pool words are unchanged; compact rows are in pool order; ``fits`` is 1 exactly when the distinct
-    rows are at most ``cap``; ``expand_fp8(rows=...)`` widens the listed rows."""
+def test_fp8_compaction_widens_the_referenced_rows_and_renumbers_them(packed, monkeypatch):
+    """``fp8_compact.compact_columns`` and ``Compaction.widen`` (Triton; its interpreter on a CPU): every
+    referencing word, renumbered, reaches the same dequantized values as the original row did (bit for bit);
+    padding, negative and out-of-pool words are unchanged; compact rows are in pool order; ``fits`` is 1 exactly
+    when the distinct rows are at most ``cap``; ``expand_fp8(rows=...)`` widens the listed rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from quilt_attn.ops.fp8_compact import compact_fp8
+    from quilt_attn.ops.fp8_compact import compact_columns
     from quilt_attn.ops.fp8_expand import expand_fp8
 
     s_kv = 700
@@ -280,7 +280,8 @@ def test_compact_fp8_widens_the_referenced_rows_and_renumbers_them(packed, monke
     words = words.to(device)
     ok = ok.to(device)
     for cap, fits_want in ((s_kv, 1), (distinct, 1), (distinct - 1, 0)):
-        dense, remapped, fits = compact_fp8(cache, words, cap, packed=packed)
+        c = compact_columns(words, s_kv, cap, packed=packed)
+        dense, remapped, fits = c.widen(cache), c.columns, c.fits
         assert dense.shape == (cap, 576) and remapped.shape == words.shape and int(fits) == fits_want
         assert torch.equal(remapped[~ok], words[~ok])
         if packed:
@@ -300,6 +301,6 @@ def test_compact_fp8_widens_the_referenced_rows_and_renumbers_them(packed, monke
     with pytest.raises(ValueError, match="count must be"):
         expand_fp8(cache, count=two)
     with pytest.raises(ValueError, match="cap must be"):
-        compact_fp8(cache, words, 0, packed=packed)
+        compact_columns(words, s_kv, 0, packed=packed)
     with pytest.raises(ValueError, match="words must be contiguous int32"):
-        compact_fp8(cache, words.long(), 4, packed=packed)
+        compact_columns(words.long(), s_kv, 4, packed=packed)

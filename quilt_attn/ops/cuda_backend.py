@@ -445,11 +445,10 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
     With a plan, the numbering of its rows depends on its columns alone: it is made on the plan's first FP8
     call and kept with the plan (``Plan.cached``; one more int32 a column), so a plan reused across calls pays
     only the widening. Query programs number their index lists every call."""
-    from .fp8_compact import check_cache, compact_columns  # a Triton kernel module: imported when first used
+    from .fp8_compact import compact_columns  # a Triton kernel module: imported when first used
 
     cap = min(FP8_COMPACT_ROWS if cap is None else cap, cache.shape[0])
-    cache = cache.contiguous()
-    check_cache(cache)
+    cache = cache.contiguous()  # (its layout is checked where it is widened, expand_fp8)
     s_kv = cache.shape[0]
     if plan is not None:
         plan.wait()

@@ -1,13 +1,15 @@
-"""An FP8 pool's referenced rows widened into a compact bf16 buffer, once a call (Triton and torch, no sync).
+"""An FP8 pool's referenced rows widened into a compact bf16 buffer (Triton and torch, no sync).
 
 Expanding a whole FP8 pool costs ``s_kv x 1152`` bytes and a pass over it (4.6 GB and ~2 ms at 4M rows), and
 widening inside the CUDA kernel takes about twice the kernel's time (BENCHMARKS.md). A call reads far fewer
 distinct rows than a pool holds, so: mark the rows the call's columns reference (the plan's tile columns, or
 the query-parallel index lists), number them by a prefix sum, widen the first ``cap`` of them into a dense
-``[cap, 576]`` buffer, and rewrite the columns to the compact numbers. Nothing waits for the distinct-row
-count: ``fits`` (a one-element int32 tensor) says on the device whether it was at most ``cap``; the caller
-launches the kernel on the compact rows to run when it is 1 and the in-kernel widening to run when it is 0
-(``cuda_backend.launch``'s ``run_if``), so exactly one of them writes the outputs.
+``[cap, 576]`` buffer, and rewrite the columns to the compact numbers. The numbering (``compact_columns``) is
+a function of the columns alone, which a plan keeps; the widening (``Compaction.widen``) is the only step that
+reads the cache, once a call. Nothing waits for the distinct-row count: ``fits`` (a one-element int32 tensor)
+says on the device whether it was at most ``cap``; the caller launches the kernel on the compact rows to run
+when it is 1 and the in-kernel widening to run when it is 0 (``cuda_backend.launch``'s ``run_if``), so exactly
+one of them writes the outputs.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_cache import FP8_BYTES
 from ..planner.buffers import PACK_ROW_MASK
 from .fp8_expand import expand_fp8
 from .sparse_attention import column_row
@@ -117,30 +118,3 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool) -
     if n:
         _remap_kernel[grid](words, n, incl, columns, s_kv, PACKED=packed, BLOCK=BLOCK)
     return Compaction(rows, count.clone(), fits, columns)
-
-
-def check_cache(cache: torch.Tensor) -> None:
-    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != FP8_BYTES or not cache.is_contiguous():
-        raise ValueError(f"cache must be a contiguous uint8 [s_kv, {FP8_BYTES}], got {cache.dtype} "
-                         f"{tuple(cache.shape)}")
-
-
-def compact_fp8(cache: torch.Tensor, words: torch.Tensor, cap: int, *, packed: bool):
-    """Widen the rows of ``cache`` that ``words`` reference into a compact buffer (``compact_columns``, then
-    ``Compaction.widen``).
-
-    Parameters
-    ----------
-    cache : uint8 ``[s_kv, 656]`` FP8 cache, contiguous.
-    words, cap, packed : as ``compact_columns``'s.
-
-    Returns
-    -------
-    dense : bf16 ``[cap, 576]``: compact row ``i`` is the ``i``-th referenced row in pool order (rows past
-        the referenced count are not written: no column reaches them while ``fits``).
-    remapped : int32 like ``words``: each referencing word with its row renumbered, the others unchanged.
-    fits : int32 ``[1]``, 1 when the call references at most ``cap`` distinct rows.
-    """
-    check_cache(cache)
-    c = compact_columns(words, cache.shape[0], cap, packed=packed)
-    return c.widen(cache), c.columns, c.fits
