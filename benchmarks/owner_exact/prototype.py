@@ -29,18 +29,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("swapped_sm90.cu", "swapped_consumer.cuh", "wgmma_small.cuh")
 
 
 # swapped_consumer.cuh's build switches (OE_FORM, OE_ONLY_H) of each library: the span forms one for each head
@@ -53,31 +48,14 @@ def form_of(kernel: str, h: int) -> str:
 
 
 def library(form: str = "spans16", nvcc: str | None = None) -> Path:
-    """The prototype library of ``form`` (``FORMS``), built unless cached beside the package's (by a hash of
-    every source and the flags)."""
+    """The prototype library of ``form`` (``FORMS``): the package's build (``cuda_backend.build``) with
+    ``swapped_sm90.cu`` as its attention unit, cached beside the package's library."""
     from quilt_attn.ops import cuda_backend
 
     oe_form, only_h = FORMS[form]
-    flags = (*cuda_backend.NVCC_FLAGS, f"-DOE_FORM={oe_form}", f"-DOE_ONLY_H={only_h}")
-    h = hashlib.sha256(" ".join(flags).encode())
-    for name in SOURCES:
-        h.update((HERE / name).read_bytes())
-    for name in cuda_backend.SOURCES:
-        h.update((cuda_backend.CSRC / name).read_bytes())
-    path = cuda_backend.cache_dir() / f"owner_exact_{form}_{h.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    nvcc = nvcc or cuda_backend.find_nvcc()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        out = Path(tmp) / path.name
-        cmd = [nvcc, *flags, "-o", str(out), str(HERE / "swapped_sm90.cu"),
-               str(cuda_backend.CSRC / "quilt_plan.cu")]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building the prototype failed ({' '.join(cmd)}):\n{res.stderr[-3000:]}")
-        os.replace(out, path)
-    return path
+    return cuda_backend.build(nvcc, defines=(f"-DOE_FORM={oe_form}", f"-DOE_ONLY_H={only_h}"),
+                              units=(HERE / "swapped_sm90.cu", cuda_backend.CSRC / "quilt_plan.cu"),
+                              name=f"owner_exact_{form}")
 
 
 def owner_span(masks: torch.Tensor):

@@ -78,23 +78,31 @@ def cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _build_digest(defines: tuple[str, ...]) -> str:
-    """Hash of the flags and sources, read once a process (``unavailable_reason`` asks on every call)."""
+def _build_digest(defines: tuple[str, ...], units: tuple[Path, ...] = ()) -> str:
+    """Hash of the flags and sources (with ``units``: those files and the headers beside them too), read once a
+    process (``unavailable_reason`` asks on every call)."""
     h = hashlib.sha256(" ".join(NVCC_FLAGS + defines).encode())
-    for name in SOURCES:
-        h.update((CSRC / name).read_bytes())
+    own = [CSRC / name for name in SOURCES]
+    extra = ({*units} | {hdr for u in units for hdr in u.parent.glob("*.cuh")}) - set(own)
+    for path in own + sorted(extra):
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
-def library_path(defines: tuple[str, ...] = ()) -> Path:
-    return cache_dir() / f"quilt_sm90_{_build_digest(tuple(defines))}.so"
+def library_path(defines: tuple[str, ...] = (), units: tuple[Path, ...] = (), name: str = "quilt_sm90") -> Path:
+    """Where ``build`` caches the library of these arguments."""
+    return cache_dir() / f"{name}_{_build_digest(tuple(defines), tuple(units))}.so"
 
 
-def build(nvcc: str | None = None, *, verbose: bool = False, defines: tuple[str, ...] = ()) -> Path:
+def build(nvcc: str | None = None, *, verbose: bool = False, defines: tuple[str, ...] = (),
+          units: tuple[Path, ...] = (), name: str = "quilt_sm90") -> Path:
     """Compile the kernel library unless the cache has it; returns its path.
 
-    ``defines`` (``-DNAME`` flags) build a variant for tools, e.g. the compute-sanitizer build."""
-    path = library_path(defines)
+    ``defines`` (``-DNAME`` flags) build a variant for tools, e.g. the compute-sanitizer build; ``units`` (paths)
+    replace the library's translation units for a study that builds its own kernel against these sources
+    (``benchmarks/owner_exact``), cached as ``name``."""
+    units = tuple(Path(u) for u in units)
+    path = library_path(defines, units, name)
     if path.exists():
         return path
     nvcc = nvcc or find_nvcc()
@@ -104,7 +112,8 @@ def build(nvcc: str | None = None, *, verbose: bool = False, defines: tuple[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_lib = Path(tmp) / path.name
-        cmd = [nvcc, *NVCC_FLAGS, *defines, "-o", str(tmp_lib), *(str(CSRC / u) for u in UNITS)]
+        sources = units or tuple(CSRC / u for u in UNITS)
+        cmd = [nvcc, *NVCC_FLAGS, *defines, "-o", str(tmp_lib), *(str(u) for u in sources)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if verbose or res.returncode != 0:
             print(res.stdout + res.stderr)
