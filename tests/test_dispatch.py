@@ -258,11 +258,12 @@ def test_gpu_default_call_captures_in_a_cuda_graph(h, use_workspace):
 @gpu
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("h,kind", [(8, "dense"), (16, "dense"), (16, "fp8"), (16, "fp8-pool"), (64, "fp8-pool"),
-                                    (64, "dense")])
+                                    (64, "dense"), (16, "fp8-plan")])
 def test_gpu_default_call_path_makes_no_host_sync(backend, h, kind, monkeypatch):
     """After a warm-up, the default calls of ``sparse_prefill`` and ``flash_mla_sparse_fwd`` run with
     ``torch.cuda.set_sync_debug_mode("error")``: planning, the backend and kernel decision, the kernels and
-    the natural-log conversion read nothing on the host."""
+    the natural-log conversion read nothing on the host. ``fp8-plan``: a caller's plan over an FP8 cache, whose
+    first call (numbering the plan's rows, on the CUDA backend) runs under the check too."""
     q, kv, idx = _gpu_inputs(h, s_q=512)
     if kind.startswith("fp8"):
         kv = quantize_fp8(kv)
@@ -273,8 +274,15 @@ def test_gpu_default_call_path_makes_no_host_sync(backend, h, kind, monkeypatch)
         "flash_mla_sparse_fwd": lambda: flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], 576**-0.5,
                                                              backend=backend),
     }
+    if kind == "fp8-plan":
+        pkw = plan_settings(h, "cuda" if backend == "auto" else backend)
+        warm, fresh = (make_plan(idx, s_kv=kv.shape[0], **pkw) for _ in range(2))
+        sparse_prefill(q, kv, idx, plan=warm, backend=backend)  # (compiles what the plan's calls run)
+        torch.cuda.synchronize()
+        calls = {"sparse_prefill with a plan": lambda: sparse_prefill(q, kv, idx, plan=fresh, backend=backend)}
     for call in calls.values():
-        call()
+        if kind != "fp8-plan":
+            call()
     torch.cuda.synchronize()
     got = {}
     torch.cuda.set_sync_debug_mode("error")
