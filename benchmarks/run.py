@@ -34,6 +34,7 @@ CASES = {
                               "today's kernel, interleaved"),
     "owner-exact": ("owner_exact.predict", "swapped (owner-exact) tiles: model x plan owner counts (CPU; "
                     "--measured: tile_rate.cu's JSON)"),
+    "fp8-mma": ("fp8_mma", "the FP8 tensor-core mode (precision='fp8') beside the exact bf16 kernel, interleaved"),
     "fp8-accuracy": ("fp8_accuracy", "FP8 tensor-core mode (CPU emulation) against the exact path: q / P "
                      "granularities, accumulator bits, layer proxy (CPU)"),
 }

@@ -25,6 +25,7 @@ from .planner import Plan, plan as make_plan
 from .reference import sparse_prefill_reference
 
 METHODS = ("quilt", "query_parallel", "reference")
+PRECISIONS = ("exact", "fp8")
 BACKENDS = dispatch.BACKENDS
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -82,6 +83,7 @@ def sparse_prefill(
     method: str = "quilt",
     settings: PlanSettings | None = None,
     workspace: torch.Tensor | None = None,
+    precision: str = "exact",
     _triton: dict | None = None,
 ):
     """Top-K sparse-attention prefill (FlashMLA ``flash_mla_sparse_fwd`` semantics).
@@ -103,6 +105,11 @@ def sparse_prefill(
     settings : ``quilt_attn.PlanSettings``: the plan built here (group size, tile, clipping, merge level,
         private rows) and whether QUILT runs a plan at all (``fallback``); None: the defaults. What runs is
         decided from the settings, never from the data (``quilt_attn.dispatch``, no host sync).
+    precision : ``"exact"`` (bf16 matrix math; an FP8 cache is dequantized exactly) or ``"fp8"``, the FP8
+        tensor-core mode (CUDA backend, bf16 q): QK's latent part and PV in e4m3 from the FP8 cache's own values,
+        q quantized to e4m3 a (query, head) (``quilt_attn.fp8_mode.sparse_prefill_fp8_kernel_reference`` is its
+        arithmetic; accuracy in BENCHMARKS.md). A dense kv is quantized to the FP8 cache first (once a call:
+        ``quantize_fp8``). Not with importance clipping (``settings.importance_clip``).
     workspace : optional uint8 tensor on q's device that the plan built in the call is carved from
         (``quilt_attn.planner.plan_workspace_bytes``; ``dispatch.workspace_bytes`` for this call's
         settings), so that the call allocates no plan memory; not with a given ``plan``.
@@ -135,6 +142,16 @@ def sparse_prefill(
     attn_sink = check_attn_sink(attn_sink, h, q.device)
     d_v = check_d_v(d_v, d_qk)
     sm_scale = check_sm_scale(sm_scale, d_qk)
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8":
+        kv = _fp8_mode_inputs(q, kv, d_v, backend, method, settings)
+    if method == "reference" and precision == "fp8":
+        from .fp8_mode import sparse_prefill_fp8_kernel_reference
+
+        out, max_logits, lse = sparse_prefill_fp8_kernel_reference(q, kv, indices, sm_scale, attn_sink=attn_sink,
+                                                                   topk_length=topk_length)
+        return out.to(q.dtype), max_logits, lse
     if method == "reference":
         out, max_logits, lse = sparse_prefill_reference(q, kv, indices, sm_scale, d_v=d_v, attn_sink=attn_sink,
                                                         topk_length=topk_length)
@@ -148,8 +165,11 @@ def sparse_prefill(
     if kv.shape[0] == 0:  # no kv row: every index is invalid, every row empty; nothing to launch
         return empty_outputs(q, d_v)
     auto = backend == "auto"
-    backend = dispatch.choose_backend(backend, q, kv, d_v, plan, tile=settings.tile,
-                                      triton_knobs=dispatch.triton_knobs(tuning))
+    if precision == "fp8":  # (_fp8_mode_inputs: the CUDA backend runs here)
+        backend = "cuda"
+    else:
+        backend = dispatch.choose_backend(backend, q, kv, d_v, plan, tile=settings.tile,
+                                          triton_knobs=dispatch.triton_knobs(tuning))
     dv_split = tuning["dv_split"]
     if backend == "triton":
         if not _kernels_can_run(q.device):
@@ -163,10 +183,12 @@ def sparse_prefill(
         dispatch.check_kernel_tile(plan.tile)
         if workspace is not None:
             raise ValueError("workspace is the memory of the plan a call builds; a given plan has its own")
-    decision = dispatch.decide(backend, method, h, settings, plan=plan, auto=auto)
+    decision = dispatch.decide(backend, method, h, settings, plan=plan,
+                               auto=auto and precision == "exact")  # (the FP8 mode: CUDA programs)
     s_kv = kv.shape[0]
-    kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], tuning["fp8_expand"],
-                            plan=plan if decision.quilt else None)
+    if precision == "exact":  # (the FP8 mode reads the cache's own rows)
+        kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], tuning["fp8_expand"],
+                                plan=plan if decision.quilt else None)
     if decision.quilt and plan is None:
         pkw = dispatch.plan_settings(h, backend, settings)
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)
@@ -174,7 +196,8 @@ def sparse_prefill(
     if decision.quilt:
         work["plan"] = plan
     if decision.kernel == "cuda":
-        out, max_logits, lse = launch_sparse_attention_cuda(q, kv, sm_scale, d_v, attn_sink=attn_sink, **work)
+        out, max_logits, lse = launch_sparse_attention_cuda(q, kv, sm_scale, d_v, attn_sink=attn_sink,
+                                                            precision=precision, **work)
     else:
         from .ops.sparse_attention import launch_sparse_attention  # a Triton kernel module: imported when first used
 
@@ -183,6 +206,36 @@ def sparse_prefill(
                                                        num_stages=tuning["num_stages"], **work)
     dispatch.natural_log_stats(max_logits, lse)
     return out, max_logits, lse
+
+
+def _fp8_mode_inputs(q: torch.Tensor, kv: torch.Tensor, d_v: int, backend: str, method: str,
+                     settings: PlanSettings) -> torch.Tensor:
+    """Check a ``precision="fp8"`` call's arguments; returns kv as the FP8 cache (a dense kv quantized)."""
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"precision='fp8' needs bf16 q (its rope part stays bf16), got {q.dtype}")
+    if q.shape[2] != D_QK or d_v != D_NOPE:
+        raise ValueError(f"precision='fp8' runs d_qk = {D_QK}, d_v = {D_NOPE}; got d_qk = {q.shape[2]}, d_v = {d_v}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if method != "reference":
+        if backend == "triton":
+            raise ValueError("precision='fp8' runs on the CUDA backend (Hopper e4m3 tensor cores), not 'triton'")
+        from .ops.cuda_backend import unavailable_reason
+
+        why = unavailable_reason(q.device)
+        if why:
+            raise ValueError(f"precision='fp8' needs the CUDA backend: {why}")
+        if settings.importance_clip:
+            raise ValueError("precision='fp8' does not run importance clipping (its private rows run in the exact "
+                             "Triton pass); set settings.importance_clip=False")
+    if is_fp8_cache(kv):
+        return canonical_fp8_cache(kv)
+    from .kv_cache import quantize_fp8
+
+    kv = canonical_kv(kv)
+    if kv.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"kv must be bf16 / fp16 or the FP8 cache, got {kv.dtype}")
+    return quantize_fp8(kv)
 
 
 def _check_plan(plan, q: torch.Tensor, indices: torch.Tensor, s_kv: int,

@@ -340,3 +340,133 @@ def sparse_prefill_fp8_reference(
         max_logits[a:e] = m
         lse[a:e] = l_e
     return out.to(dev), max_logits.to(dev), lse.to(dev)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The shipped kernel's arithmetic (``sparse_prefill(..., precision="fp8")``, ops/csrc/sm90_fp8mma.cuh)
+#
+# The study above weighs granularities; the kernel implements one point of it, with three changes that make it
+# a one-pass Hopper kernel at the bf16 kernel's program shape (docs/fp8-mode.md, section 5):
+#
+# 1. q: one e4m3 term a (query, head), ``qs = pow2up(fl32(amax / 448))`` (the smallest power of two >= it, from
+#    the float32 bits; 1 without a finite nonzero latent value), ``Qe = e4m3(q / qs)``, rope ``Qr = bf16(q_r / qs)``.
+# 2. One scale a cache row: ``ks = max_b ks[r, b]`` (1 when all four are 0, NaN when one is), its latent
+#    ``Ke'[c] = e4m3(Ke[c] * fl32(ks[r, b] / ks))`` (exact for power-of-two scales, but for values that fall
+#    into e4m3's subnormals), rope ``Kr' = bf16(Kr / ks)``.
+# 3. ``S = sum_c Qe Ke' + sum_c Qr Kr'`` (one float32 accumulator: the tensor cores' FP8 adder, not promoted
+#    every 128 columns), ``a = fl32(S ks)``, ``c = fl32(qs * fl32(sm_scale log2 e))``, base-2 logit ``a c``.
+# 4. ``e = ceil(log2 ks)``, ``y = a c + e``; a reference ``M`` (integer) per row: the emulation takes
+#    ``ceil(max y)``; ``P_l = 2^(a c + 6 - M)``, ``P' = fl32(P_l ks)`` (V's scale folded into P), ``Pe = e4m3(P')``;
+#    ``l = sum P_l``; ``O = sum_r Pe Ke'[r, :512]``; ``out = O / l``, ``lse = (M - 6 + log2 l) ln 2``,
+#    ``max_logits = max(a c) ln 2``.
+#
+# Kernel freedom: the kernel's reference is any integer with ``max y - 2 <= M``, so its ``P'`` is the
+# emulation's times a power of two: the same e4m3 value wherever both are normal (>= 2^-6); the order and
+# roundings of its float32 sums, and its FP8 accumulator's (~14 bits kept while adding) in ``S`` and ``O``.
+# --------------------------------------------------------------------------------------------------------------
+
+KERNEL_P_OFFSET = 6.0  # P' = 2^(y - M + KERNEL_P_OFFSET) <= 2^(slack + offset) = 256 < 448 (sm90_fp8mma.cuh)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _pow2_up(v: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= positive float32 ``v`` (float32 bits: exponent up when the mantissa is not 0)."""
+    b = v.to(torch.float32).contiguous().view(torch.int32)
+    return ((b + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def kernel_quantize_q(q: torch.Tensor):
+    """Step 1 on ``q [..., 576]``: (``Qe`` float32 e4m3 values ``[..., 512]``, ``Qr`` bf16 ``[..., 64]``, ``qs``
+    float32 ``[...]``)."""
+    x = q[..., :D_NOPE].to(torch.float32)
+    amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=-1)
+    qs = torch.where(amax > 0, _pow2_up(amax / FP8_E4M3_MAX), 1.0)
+    qe = _e4m3(x / qs[..., None])
+    qr = (q[..., D_NOPE:].to(torch.float32) / qs[..., None]).to(torch.bfloat16)
+    return qe, qr, qs
+
+
+def kernel_rows(cache: torch.Tensor):
+    """Step 2 on FP8 cache rows ``uint8 [..., 656]``: (``Ke'`` float32 ``[..., 512]``, ``Kr'`` bf16 ``[..., 64]``,
+    ``ks`` float32 ``[...]``, ``e = ceil(log2 ks)`` float32 ``[...]``)."""
+    lat, scale, rope = split_fp8_rows(cache)
+    mx = scale.amax(dim=-1)  # NaN propagates
+    ks = torch.where(mx == 0, 1.0, mx)
+    f = (scale / ks[..., None]).to(torch.float32)
+    lat = _e4m3(lat * f[..., None]).reshape(*lat.shape[:-2], D_NOPE)
+    kr = (rope.to(torch.float32) / ks[..., None]).to(torch.bfloat16)
+    b = ks.contiguous().view(torch.int32)
+    e = (((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0).to(torch.int32)).to(torch.float32)
+    return lat, kr, ks, e
+
+
+def sparse_prefill_fp8_kernel_reference(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
+                                        sm_scale: float | None = None, *, topk_length: torch.Tensor | None = None,
+                                        attn_sink: torch.Tensor | None = None, chunk: int | None = None):
+    """``sparse_prefill(q, cache, indices, precision="fp8")``'s arithmetic (the comment above), emulated.
+
+    Arguments as ``sparse_prefill_fp8_reference`` (q bf16 in production). Returns out ``[s_q, h, 512]``
+    float32 (the kernel rounds it to bf16 on the store), max_logits and lse ``[s_q, h]`` float32, natural log.
+    The exact sums are float64 sums of e4m3 / bf16 products (exact, see the module docstring), each rounded
+    once to float32.
+    """
+    require_tensor("q", q)
+    require_ndim("q", q, (3,), "[s_q, h, d_qk]")
+    require_dtype("q", q, FLOAT_DTYPES)
+    if q.shape[2] != D_QK:
+        raise ValueError(f"q must have d_qk = {D_QK} (512 latent + 64 rope) for the FP8 mode, got {q.shape[2]}")
+    if not (isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8):
+        require_tensor("cache", cache)
+        raise TypeError(f"cache must be the FP8 cache (uint8 [s_kv, 656], quilt_attn.quantize_fp8), got "
+                        f"{str(cache.dtype).replace('torch.', '')} {tuple(cache.shape)}")
+    cache = canonical_fp8_cache(cache, "cache")
+    require_same_device("cache", cache, "q", q)
+    s_q, h, _ = q.shape
+    indices = canonical_indices(indices, s_q)
+    require_same_device("indices", indices, "q", q)
+    topk = indices.shape[1]
+    topk_length = check_topk_length(topk_length, s_q, indices.device, topk)
+    attn_sink = check_attn_sink(attn_sink, h, q.device)
+    scale2 = torch.tensor(check_sm_scale(sm_scale, D_QK) * LOG2E, dtype=torch.float32)  # (the kernel's float)
+    chunk = _check_chunk(chunk) or max(1, _BUDGET // (topk * (2 * h + D_QK)))
+
+    dev = q.device
+    q, cache, indices = q.cpu(), cache.cpu(), indices.cpu()
+    s_kv = cache.shape[0]
+    valid = valid_index_mask(indices, s_kv, None if topk_length is None else topk_length.cpu())
+    qe, qr, qs = kernel_quantize_q(q)
+    c = (qs * scale2).to(torch.float32)  # [s_q, h]
+    lat, kr, ks, e = kernel_rows(cache) if s_kv else (torch.zeros(1, D_NOPE), torch.zeros(1, 64, dtype=torch.bfloat16),
+                                                      torch.ones(1), torch.zeros(1))
+    out = torch.empty(s_q, h, D_NOPE, dtype=torch.float32)
+    max_logits = torch.empty(s_q, h, dtype=torch.float32)
+    lse = torch.empty(s_q, h, dtype=torch.float32)
+    for a0 in range(0, s_q, chunk):
+        a1 = min(s_q, a0 + chunk)
+        ok = valid[a0:a1]
+        idx = torch.where(ok, indices[a0:a1], 0).long()
+        k_lat = lat[idx].double().masked_fill(~ok[..., None], 0.0)  # [n, topk, 512] (ignored entries: zero rows)
+        k_r = kr[idx].double().masked_fill(~ok[..., None], 0.0)
+        s = (torch.einsum("nhd,nkd->nhk", qe[a0:a1].double(), k_lat)
+             + torch.einsum("nhd,nkd->nhk", qr[a0:a1].double(), k_r)).to(torch.float32)
+        ak = (s * ks[idx][:, None, :]).masked_fill(~ok[:, None, :], float("-inf"))  # a = fl32(S ks)
+        cc = c[a0:a1][..., None]
+        t = ak * cc  # base-2 logits a c (-inf at ignored entries)
+        y = t + e[idx][:, None, :]
+        ym = y.amax(dim=-1)
+        empty = ym == float("-inf")
+        ref = torch.ceil(ym).masked_fill(empty, 0.0)[..., None]  # M
+        pl = torch.exp2(torch.addcmul(KERNEL_P_OFFSET - ref, ak, cc))  # 2^(a c + 6 - M): 0 at ignored entries
+        pe = _e4m3(pl * ks[idx][:, None, :]).double()
+        l_sum = pl.double().sum(-1).to(torch.float32)
+        o = torch.einsum("nhk,nkd->nhd", pe, k_lat).to(torch.float32)
+        o = (o / l_sum[..., None]).masked_fill(empty[..., None], 0.0)
+        l2 = (ref[..., 0] - KERNEL_P_OFFSET + torch.log2(l_sum)).masked_fill(empty, float("inf"))
+        l_e = l2 * LN2
+        if attn_sink is not None:
+            o = apply_attn_sink(o, l_e, attn_sink.cpu())
+        out[a0:a1] = o
+        max_logits[a0:a1] = (t.amax(dim=-1) * LN2).masked_fill(empty, float("-inf"))
+        lse[a0:a1] = l_e
+    return out.to(dev), max_logits.to(dev), lse.to(dev)

@@ -75,6 +75,13 @@ TOLERANCES: dict[torch.dtype, Tol] = {
 # float64 outputs (the float64 reference against another float64 computation): summation order only;
 # its float32 max_logits / lse carry one float32 rounding (|lse| <~ 50 here: <= 3e-6).
 TOLERANCES[torch.float64] = Tol(atol=1e-10, rtol=1e-10, rel_l2=1e-10, stat_atol=1e-5)
+# The FP8 tensor-core mode's kernel against its emulation (fp8_mode.sparse_prefill_fp8_kernel_reference): the
+# tensor cores' FP8 adder keeps ~14 bits of S and O where the emulation sums exactly, and a logit that moves by
+# that flips an occasional e4m3 rounding of P (measured on the H200: rel-L2 4.5-5.8e-3, lse 2-6e-4, max_logits
+# <= 7e-3); whole-tensor bounds only (a flipped weight is a one-step e4m3 difference of one element).
+FP8_MODE_TOL = Tol(atol=float("inf"), rtol=float("inf"), rel_l2=1.5e-2, stat_atol=2e-2)
+# ... and the mode against the exact path on N(0, 1) data: its accuracy (e4m3 q and P: ~3.2e-2, BENCHMARKS.md)
+FP8_MODE_VS_EXACT_REL_L2 = 4.5e-2
 
 
 def pytest_configure(config):

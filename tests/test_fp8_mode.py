@@ -363,3 +363,138 @@ def test_fp8_accuracy_benchmark_smoke(tmp_path, capsys):
     assert sum(line.startswith("|") for line in table.splitlines()) == len(rows) + 2  # header, separator, rows
     for r in rows:
         assert 0 < r["rel_l2"] < 0.2 and r["infinities_match"] and 0.9 < r["min_cos"] <= 1.0
+
+
+# ============================================================================================ the kernel's arithmetic
+from conftest import FP8_MODE_TOL, FP8_MODE_VS_EXACT_REL_L2  # noqa: E402
+from quilt_attn import sparse_prefill  # noqa: E402
+from quilt_attn.fp8_mode import (  # noqa: E402
+    kernel_quantize_q,
+    kernel_rows,
+    sparse_prefill_fp8_kernel_reference,
+)
+
+
+def test_kernel_q_scale_is_the_power_of_two_above_amax_over_448():
+    q = randn(8, 4, 576, seed=11, dtype=torch.bfloat16) * 3
+    q[0, 0, 7] = float("inf")  # not finite: left out of the amax, saturates
+    q[1, 1, :512] = 0.0  # no nonzero value: scale 1
+    qe, qr, qs = kernel_quantize_q(q)
+    amax = torch.where(torch.isfinite(q[..., :512].float()), q[..., :512].float().abs(), 0.0).amax(-1)
+    assert torch.equal(torch.exp2(torch.round(torch.log2(qs))), qs)  # powers of two
+    ok = amax > 0
+    assert (qs[ok] >= amax[ok] / 448).all() and (qs[ok] / 2 < amax[ok] / 448).all()
+    assert qs[1, 1] == 1.0 and qe[0, 0, 7] == 448.0 and qe.abs().max() <= 448
+    assert torch.equal(qr.float() * qs[..., None], q[..., 512:].float())  # the rope exactly, divided by qs
+
+
+def test_kernel_rows_keep_a_row_with_one_scale_exactly():
+    kv = randn(64, 576, seed=12, dtype=torch.bfloat16)
+    cache = quantize_fp8(kv)
+    lat, kr, ks, e = kernel_rows(cache)
+    scale = cache[:, 512:528].contiguous().view(torch.float32)
+    assert torch.equal(ks, scale.amax(-1)) and torch.equal(torch.exp2(e), ks)
+    deq = dequantize_fp8(cache).float()
+    same = (scale == scale[:, :1]).all(-1)  # rows whose four blocks share one scale: nothing re-rounded
+    assert same.any()
+    assert torch.equal((lat * ks[:, None])[same], deq[same, :512])
+    # the others differ from the exact dequantization only in e4m3 values below 2^-6 of the row scale
+    diff = ((lat * ks[:, None]) - deq[:, :512]).abs()
+    assert (diff <= 2.0**-9 * ks[:, None]).all()
+    assert torch.equal(kr.float() * ks[:, None], deq[:, 512:])
+
+
+def test_kernel_reference_is_close_to_the_exact_path_on_the_cpu():
+    q = randn(8, 16, 576, seed=13, dtype=torch.bfloat16)
+    cache = quantize_fp8(randn(2048, 576, seed=14, dtype=torch.bfloat16))
+    idx = random_indices(8, 2048, 512, seed=15)
+    idx[3] = -1  # an empty row
+    got = sparse_prefill_fp8_kernel_reference(q, cache, idx)
+    ref = sparse_prefill_reference(q, dequantize_fp8(cache), idx)
+    assert rel_l2(got[0], ref[0]) < FP8_MODE_VS_EXACT_REL_L2
+    assert (got[0][3] == 0).all() and torch.isinf(got[2][3]).all() and (got[1][3] == float("-inf")).all()
+    fin = torch.isfinite(ref[2])
+    assert (got[2] - ref[2])[fin].abs().max() < 0.05
+
+
+def test_fp8_precision_through_sparse_prefill_reference_method():
+    q = randn(4, 8, 576, seed=16, dtype=torch.bfloat16)
+    kv = randn(512, 576, seed=17, dtype=torch.bfloat16)
+    idx = random_indices(4, 512, 128, seed=18)
+    got = sparse_prefill(q, kv, idx, precision="fp8", method="reference")  # dense kv: quantized first
+    want = sparse_prefill_fp8_kernel_reference(q, quantize_fp8(kv), idx)
+    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], want[0].to(torch.bfloat16))
+    assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("kw, exc, needle", [
+    (dict(precision="fp4"), ValueError, "precision"),
+    (dict(precision="fp8", backend="triton"), ValueError, "CUDA backend"),
+    (dict(precision="fp8", q_dtype=torch.float16), TypeError, "bf16 q"),
+])
+def test_fp8_precision_refuses_what_it_cannot_run(kw, exc, needle):
+    dt = kw.pop("q_dtype", torch.bfloat16)
+    q = randn(4, 8, 576, seed=19, dtype=dt)
+    cache = quantize_fp8(randn(512, 576, seed=20, dtype=torch.bfloat16))
+    with pytest.raises(exc, match=needle):
+        sparse_prefill(q, cache, random_indices(4, 512, 128, seed=21), **kw)
+
+
+def _fp8_case(h, s_q, topk, workload, seed):
+    from quilt_attn.workloads import generate
+
+    q = randn(s_q, h, 576, seed=seed, dtype=torch.bfloat16, device="cuda")
+    cache = quantize_fp8(randn(8192, 576, seed=seed + 1, dtype=torch.bfloat16, device="cuda"))
+    idx = generate(workload, s_q, 8192, topk, seed=seed, device="cuda")
+    return q, cache, idx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h, method, workload, extras", [
+    (16, "query_parallel", "random", ""), (64, "query_parallel", "glm53-like", "len,sink"),
+    (3, "query_parallel", "random", "neg"), (128, "quilt", "random", "sink"),
+    (16, "quilt", "glm53-like", ""), (8, "quilt", "glm53-like", "neg,len"), (5, "quilt", "ds32-like", "sink"),
+    (32, "quilt", "glm53-like", "neg,sink"),
+])
+def test_fp8_mode_kernel_matches_its_emulation(h, method, workload, extras, nan_poison):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 mode runs on sm_90")
+    q, cache, idx = _fp8_case(h, 96, 1024, workload, seed=h)
+    kw = {}
+    if "neg" in extras:
+        idx = idx.clone()
+        idx[::3, ::5] = -1
+        idx[7] = -1  # an empty row
+    if "len" in extras:
+        kw["topk_length"] = torch.randint(0, 1025, (96,), device="cuda", dtype=torch.int32,
+                                          generator=torch.Generator(device="cuda").manual_seed(h))
+    if "sink" in extras:
+        kw["attn_sink"] = randn(h, seed=h + 7, dtype=torch.float32, device="cuda")
+    got = sparse_prefill(q, cache, idx, precision="fp8", method=method, **kw)
+    want = sparse_prefill_fp8_kernel_reference(q, cache, idx, **kw)
+    out, ml, lse = got
+    assert not out.isnan().any() and not lse.isnan().any() and not ml.isnan().any()
+    assert rel_l2(out, want[0]) < FP8_MODE_TOL.rel_l2
+    assert torch.equal(torch.isinf(lse), torch.isinf(want[2])) and torch.equal(torch.isinf(ml), torch.isinf(want[1]))
+    fin = torch.isfinite(want[2])
+    assert (lse - want[2])[fin].abs().max() < FP8_MODE_TOL.stat_atol
+    assert (ml - want[1])[fin].abs().max() < FP8_MODE_TOL.stat_atol
+    empty = torch.isinf(want[2])
+    assert (out[empty] == 0).all()
+    exact = sparse_prefill_reference(q, dequantize_fp8(cache), idx, **kw)
+    assert rel_l2(out, exact[0]) < FP8_MODE_VS_EXACT_REL_L2
+
+
+@pytest.mark.gpu
+def test_fp8_mode_repairs_a_partner_rows_nan():
+    """A NaN latent value in a row one query selects must not reach its tile partners (the repair pass)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 mode runs on sm_90")
+    q, cache, idx = _fp8_case(16, 64, 512, "glm53-like", seed=4)
+    row = int(idx[0, 0])
+    cache = cache.clone()
+    cache[row, 3] = 0x7F  # e4m3 NaN
+    out, _, lse = sparse_prefill(q, cache, idx, precision="fp8", method="quilt")
+    selects = (idx == row).any(-1)
+    assert out[selects].isnan().any(-1).any(-1).all()  # the queries that chose it see it (as the exact path)
+    assert not out[~selects].isnan().any()

@@ -49,7 +49,8 @@ class _Params(ctypes.Structure):
     _fields_ += [(n, ctypes.c_int) for n in ("s_q", "s_kv", "h", "topk", "prog_cap", "group_size", "qp", "hb",
                                              "from_plan", "n_work", "nhb")]
     _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int),
-                 ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int), ("repair", ctypes.c_void_p)]
+                 ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int), ("repair", ctypes.c_void_p),
+                 ("q_scale", ctypes.c_void_p)]
 
 
 class _PlanParams(ctypes.Structure):
@@ -144,6 +145,11 @@ def _library():
             lib.quilt_sm90_launch.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                               ctypes.c_void_p]
             lib.quilt_sm90_launch.restype = ctypes.c_int
+            lib.quilt_sm90_fp8mma_launch.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p]
+            lib.quilt_sm90_fp8mma_launch.restype = ctypes.c_int
+            lib.quilt_fp8_quantize_q.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
+                                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            lib.quilt_fp8_quantize_q.restype = ctypes.c_int
             lib.quilt_sm90_error_string.restype = ctypes.c_char_p
             lib.quilt_sm90_error_string.argtypes = [ctypes.c_int]
             lib.quilt_plan_launch.argtypes = [ctypes.POINTER(_PlanParams), ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -310,7 +316,7 @@ def work_items(h: int, s_q: int, plan=None) -> int:
 
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-           partial: bool = False, tile_kv=None, run_if=None, repair=None, _skip: int = 0,
+           partial: bool = False, tile_kv=None, run_if=None, repair=None, q_scale=None, _skip: int = 0,
            _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
 
@@ -325,8 +331,16 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     of ``plan.tile_kv``. ``run_if = (flag, value)``: the kernel does nothing unless the int32 ``flag[0]``
     equals ``value`` when it starts (two launches, one chosen on the device). ``repair``: the call's repair queue
     (``sparse_attention.repair_buffer``), into which a pass that writes the final outputs queues every query
-    whose output holds a NaN (``run_plan_passes``).
+    whose output holds a NaN (``run_plan_passes``). ``q_scale``: the FP8 tensor-core mode (csrc/sm90_fp8mma.cuh):
+    ``q`` is then ``quantize_q_fp8``'s rows ``uint8 [s_q, h, 640]`` and ``q_scale`` its scales, kv the FP8 cache,
+    out bf16 (no partial mode).
     """
+    fp8mma = q_scale is not None
+    if fp8mma and (partial or kv.dtype != torch.uint8 or q.dtype != torch.uint8 or q.shape[2] != FP8_Q_BYTES
+                   or q_scale.dtype != torch.float32 or not q_scale.is_contiguous() or q_scale.shape != q.shape[:2]):
+        raise ValueError(f"the FP8 mode runs quantize_q_fp8's q (uint8 [s_q, h, {FP8_Q_BYTES}] and float32 scales "
+                         f"[s_q, h]) over the FP8 cache, final outputs only; got q {q.dtype} {tuple(q.shape)}, kv "
+                         f"{kv.dtype}, partial={partial}")
     if not partial and (out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8 or out.stride(1) % 8):
         raise ValueError("out must have a unit last stride, 16-byte alignment and row strides that are multiples of 8 "
                          f"(the kernel writes 16-byte pieces); got strides {tuple(out.stride())}")
@@ -351,6 +365,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     prm.group_size, prm.qp, prm.hb = G, qp, hb
     prm.scale2 = float(sm_scale) * LOG2E
     prm.skip = _skip
+    prm.q_scale = _ptr(q_scale)
     if plan is not None:
         prog_tiles, prog_ntiles = plan.work_list(qp)
         cols = plan.tile_kv if tile_kv is None else tile_kv
@@ -379,13 +394,40 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         prm.repair = repair.data_ptr()
     lib = _library()
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    reason = unsupported_reason(q, kv, D_V)
-    if reason:
-        raise ValueError(reason)
-    dtype = 2 if kv.dtype == torch.uint8 else 0 if q.dtype == torch.bfloat16 else 1
-    err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype, int(partial), ctas, ctypes.c_void_p(stream))
+    if fp8mma:
+        if kv.dim() != 2 or kv.shape[1] != FP8_BYTES or out.dtype != torch.bfloat16:
+            raise ValueError(f"the FP8 mode reads the FP8 cache uint8 [s_kv, {FP8_BYTES}] into bf16 out; got kv "
+                             f"{tuple(kv.shape)}, out {out.dtype}")
+        err = lib.quilt_sm90_fp8mma_launch(ctypes.byref(prm), ctas, ctypes.c_void_p(stream))
+    else:
+        reason = unsupported_reason(q, kv, D_V)
+        if reason:
+            raise ValueError(reason)
+        dtype = 2 if kv.dtype == torch.uint8 else 0 if q.dtype == torch.bfloat16 else 1
+        err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype, int(partial), ctas, ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA backend launch failed: {lib.quilt_sm90_error_string(err).decode()}")
+
+
+FP8_Q_BYTES = 640  # a row of quantize_q_fp8: 512 e4m3 latent values, 64 bf16 rope values
+
+
+def quantize_q_fp8(q: torch.Tensor):
+    """q for the FP8 mode (``fp8_mode.kernel_quantize_q``'s arithmetic, on the GPU, one warp a (query, head)):
+    ``q [s_q, h, 576]`` bf16 -> (rows ``uint8 [s_q, h, 640]``: the e4m3 latent of ``q / qs`` and the bf16 rope
+    ``q_r / qs``; ``qs`` float32 ``[s_q, h]``, a power of two a (query, head))."""
+    if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != D_QK:
+        raise ValueError(f"the FP8 mode quantizes bf16 q [s_q, h, {D_QK}], got {q.dtype} {tuple(q.shape)}")
+    q = aligned_16(q)
+    s_q, h, _ = q.shape
+    rows = torch.empty(s_q, h, FP8_Q_BYTES, dtype=torch.uint8, device=q.device)
+    scale = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    err = _library().quilt_fp8_quantize_q(q.data_ptr(), q.stride(0), q.stride(1), s_q, h, rows.data_ptr(),
+                                          scale.data_ptr(), ctypes.c_void_p(stream))
+    if err != 0:
+        raise CudaBackendError(f"FP8 q quantization failed: {_library().quilt_sm90_error_string(err).decode()}")
+    return rows, scale
 
 
 def copies_16_bytes(x: torch.Tensor) -> bool:
@@ -403,7 +445,7 @@ def aligned_16(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
-                                 attn_sink=None):
+                                 attn_sink=None, precision: str = "exact"):
     """Allocate outputs and run the CUDA kernel (the counterpart of ``launch_sparse_attention``).
 
     A plan that split private rows off runs its shared tiles here (float32 partial state) and the
@@ -419,7 +461,10 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
     if sm_scale <= 0:  # the kernel's running max assumes a positive scale: q.k s = (-q).k (-s), exactly; a zero
         # scale is q times 0 (a NaN or inf in q still makes its logits NaN, as q.k x 0 does) at scale 1
         q, sm_scale = (-q, -sm_scale) if sm_scale < 0 else (q * 0, 1.0)
-    if plan is not None:
+    if precision == "fp8":
+        launch_fp8mma(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices, topk_length=topk_length, plan=plan,
+                      attn_sink=attn_sink)
+    elif plan is not None:
         run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink,
                              repair_from=None if indices is None else (indices, topk_length))
     elif _compacts(kv):
@@ -473,6 +518,29 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
     launch(q, c.widen(cache), sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 1), repair=repair,
            **compact)
     launch(q, cache, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 0), repair=repair, **work)
+
+
+def launch_fp8mma(q, cache, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
+                  attn_sink=None) -> None:
+    """The FP8 tensor-core mode (``precision="fp8"``): q quantized (``quantize_q_fp8``), then the kernel over the
+    plan's tiles (with the repair pass: a query whose output a partner's non-finite row spoiled is recomputed by
+    the exact query pass) or, without a plan, query by query. Not for split-private plans (no partial state)."""
+    from .sparse_attention import run_plan_passes
+
+    qf8, qs = quantize_q_fp8(q)
+    if plan is None:
+        launch(qf8, cache, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length,
+               attn_sink=attn_sink, q_scale=qs)
+        return
+    if plan.split_private:
+        raise ValueError("precision='fp8' runs plans whose private rows stay in the tiles (split_private=False; "
+                         "importance clipping splits them off)")
+
+    def tile_pass(o, m, l, partial, repair):
+        launch(qf8, cache, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, repair=repair, q_scale=qs)
+
+    run_plan_passes(q, cache, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink,
+                    tile_pass=tile_pass, repair_from=None if indices is None else (indices, topk_length))
 
 
 def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, repair_from=None):

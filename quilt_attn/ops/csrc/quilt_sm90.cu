@@ -54,6 +54,7 @@
 #include "ptx.cuh"
 #include "sm90_config.cuh"
 #include "sm90_consumer.cuh"
+#include "sm90_fp8mma.cuh"
 #include "sm90_measure.cuh"
 #include "sm90_producer.cuh"
 
@@ -148,6 +149,33 @@ int quilt_sm90_launch(const quilt_sm90::Params* p, int dtype, int partial, int c
                                  : launch<__nv_bfloat16, __nv_bfloat16>(*p, ctas, s);
   return partial ? launch<__half, float>(*p, ctas, s) : launch<__half, __half>(*p, ctas, s);
 }
+
+// The FP8 tensor-core mode (sm90_fp8mma.cuh): q is quilt_fp8_quantize_q's output (p->q its 640-byte rows,
+// stride_qs / stride_qh in bytes, p->q_scale its scales), kv the FP8 cache; bf16 out, no partial mode
+int quilt_sm90_fp8mma_launch(const quilt_sm90::Params* p, int ctas, void* stream) {
+  using namespace quilt_sm90;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaFuncSetAttribute(f8::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, f8::kSmemBytes);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  err = cudaMemsetAsync(p->work_counter, 0, sizeof(int), s);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  f8::kernel<<<ctas, kThreads, f8::kSmemBytes, s>>>(*p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// q [s_q, h, 576] bf16 (strides in elements, unit last stride, 16-byte aligned rows) -> out uint8 [s_q, h, 640],
+// scale float32 [s_q, h] (the FP8 mode's q, sm90_fp8mma.cuh)
+int quilt_fp8_quantize_q(const void* q, long long stride_qs, long long stride_qh, int s_q, int h, void* out,
+                         float* scale, void* stream) {
+  const long long rows = static_cast<long long>(s_q) * h;
+  if (rows == 0) return 0;
+  constexpr int kWarps = 8;
+  const unsigned blocks = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+  quilt_sm90::f8::quantize_q<<<blocks, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __nv_bfloat16*>(q), stride_qs, stride_qh, s_q, h, static_cast<uint8_t*>(out), scale);
+  return static_cast<int>(cudaGetLastError());
+}
+int quilt_sm90_fp8mma_smem_bytes() { return quilt_sm90::f8::kSmemBytes; }
 
 #ifdef QUILT_TIMELINE
 // copies the stamps to host memory `dst` (kTlCtas * kTlProgs * kTlSlots uint64)

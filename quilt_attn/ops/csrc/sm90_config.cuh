@@ -87,6 +87,8 @@ struct Params {
   int run_when;             //   launches chosen on the device, no host sync: ops/fp8_compact.py)
   int* repair;              // or null: the repair queue (count | a flag a query | queued queries), into which a
                             //   final-output pass queues each query whose output holds a NaN (run_plan_passes)
+  const float* q_scale;     // FP8 mode only: [s_q, h] q's power-of-two scales (q is then quilt_fp8_quantize_q's
+                            //   rows: 512 e4m3 latent bytes, 64 bf16 rope values divided by the scale)
 };
 
 // Params' fields in order, for the library's layout table (quilt_sm90_params_layout): Python's ctypes
@@ -95,7 +97,7 @@ struct Params {
   X(q) X(kv) X(out) X(max_logits) X(lse) X(sink) X(tile_kv) X(tile_mask) X(prog_tiles) X(prog_ntiles)          \
   X(prog_order) X(indices) X(topk_length) X(stride_qs) X(stride_qh) X(stride_kv) X(stride_idx) X(stride_os)     \
   X(stride_oh) X(s_q) X(s_kv) X(h) X(topk) X(prog_cap) X(group_size) X(qp) X(hb) X(from_plan) X(n_work) X(nhb) \
-  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair)
+  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair) X(q_scale)
 
 // The mbarriers (SharedStorage::bar) by role.
 struct Bars {

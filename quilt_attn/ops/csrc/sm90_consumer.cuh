@@ -246,6 +246,92 @@ __device__ __forceinline__ void qk_done(float (&s)[32]) {
   fence_regs(s);
 }
 
+// A program's end for one consumer warpgroup: the two warpgroups' row sums -> l, then normalize and write
+// out, max_logits and lse. o and l are relative to 2^m_lse (base 2); mt is this warpgroup's true row max.
+template <typename T, typename OutT, int wg, typename B>
+__device__ __forceinline__ void write_program(const Params& p, const Program& pr, int hblock, int k, int n_blocks,
+                                              float (&o)[128], const float (&m_lse)[2], float (&l)[2],
+                                              const float (&mt)[2], float* red_sum, float* red_tmax,
+                                              const B& bars) {
+  const int tid = threadIdx.x, lane = tid % 32;
+  if (tid == 128) QUILT_STAMP(k, kTlWg1Done);
+  if (tid == 0) {
+    QUILT_STAMP(k, kTlWg0Done);
+    QUILT_STAMP_VALUE(k, kTlBlocks, n_blocks);
+  }
+  // this thread's rows again, from a thread index read here: ptxas hoisted the rows' query / head to the
+  // consumer's start and spilled them across the block loop (reloaded from local memory in every epilogue)
+  int tid_here;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_here));
+  const int r0e = (tid_here % 128) / 32 * 16 + (tid_here % 32) / 4;  // = r0
+  // the two warpgroups' row sums -> l (both hold the same reference max); normalize and write
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffff, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
+    if (lane % 4 == 0) red_sum[wg * kRows + r0e + 8 * i] = l[i];
+    if (wg == 1 && lane % 4 == 0) red_tmax[r0e + 8 * i] = mt[i];
+  }
+  bar_sync<kBarSum>();
+  if (tid == 0) QUILT_STAMP(k, kTlSumsDone);
+  if (n_blocks == 0) mbar_arrive(bars.q_free());  // (no QK: arrived here instead)
+  constexpr bool kPartial = sizeof(OutT) == 4;
+  const int quad = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = r0e + 8 * i;
+    const RowOf x = row_of(p, pr, hblock, r);  // (a quad's four lanes share the row: shuffles below)
+    const int qq = x.qq, head = x.head;
+    const bool ok = x.ok;
+    const float lt = red_sum[r] + red_sum[kRows + r];
+    const bool empty = lt == 0.f;
+    const float lse = empty ? INFINITY : m_lse[i] + log2f(lt);
+    float fac = empty ? 0.f : 1.f / lt;
+    if (!kPartial && p.sink != nullptr && !empty && ok) {
+      fac *= 1.f / (1.f + expf(p.sink[head] - lse * 0.6931471805599453f));
+    }
+    // an empty row writes zeros, not o * 0: a selected row whose logits are all -inf may still carry an inf in
+    // V, and P = 0 times it left NaN in o
+    auto fin = [empty, fac](float x) { return empty ? 0.f : x * fac; };
+    OutT* out = static_cast<OutT*>(p.out) + (ok ? qq * p.stride_os + head * p.stride_oh : 0) + wg * 256;
+    if constexpr (kPartial) {
+      if (ok) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          *reinterpret_cast<float2*>(out + j * 8 + quad * 2) =
+              make_float2(fin(o[j * 4 + i * 2]), fin(o[j * 4 + i * 2 + 1]));
+        }
+      }
+    } else {
+      // |x| bits, their max over the row's values: above +inf's only if one is a NaN (bits: fast math cannot drop it)
+      uint32_t nan_bits = 0;
+      // straight from registers, 16 bytes a thread (no stage: q's shared memory already holds the next q)
+#pragma unroll
+      for (int a = 0; a < 8; ++a) {
+        uint32_t v[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float x0 = fin(o[(4 * a + c) * 4 + i * 2]), x1 = fin(o[(4 * a + c) * 4 + i * 2 + 1]);
+#ifndef QUILT_NO_NAN_QUEUE
+          nan_bits = max(nan_bits, max(__float_as_uint(x0) & 0x7fffffffu, __float_as_uint(x1) & 0x7fffffffu));
+#endif
+          v[c] = Mma<T>::pack(x0, x1);
+        }
+        quad_transpose(v, quad);
+        if (ok) *reinterpret_cast<uint4*>(out + (4 * a + quad) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+      // a NaN may be a shared tile's 0 x inf from a partner's row: the repair pass redoes this query
+      if (p.repair != nullptr && ok && nan_bits > 0x7f800000u) queue_for_repair(p.repair, p.s_q, qq);
+    }
+    if (ok && wg == 0 && quad == 0) {
+      const float mlog = fmaxf(mt[i], red_tmax[r]);
+      p.max_logits[static_cast<long long>(qq) * p.h + head] = empty ? -INFINITY : mlog;
+      p.lse[static_cast<long long>(qq) * p.h + head] = lse;
+    }
+  }
+  if (tid == 0) QUILT_STAMP(k, kTlOutWritten);
+}
+
 // One program of a consumer warpgroup: its kv blocks, then normalize and write the output. `gb`: kv
 // blocks of the CTA's earlier programs (the barriers' phase), `k`: the CTA's earlier programs.
 template <typename T, typename OutT, bool kMma, int wg>
@@ -385,82 +471,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
     }
   }
 
-  if (tid == 128) QUILT_STAMP(k, kTlWg1Done);
-  if (tid == 0) {
-    QUILT_STAMP(k, kTlWg0Done);
-    QUILT_STAMP_VALUE(k, kTlBlocks, n_blocks);
-  }
-  // this thread's rows again, from a thread index read here: ptxas hoisted the rows' query / head to the
-  // consumer's start and spilled them across the block loop (reloaded from local memory in every epilogue)
-  int tid_here;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_here));
-  const int r0e = (tid_here % 128) / 32 * 16 + (tid_here % 32) / 4;  // = r0
-  // the two warpgroups' row sums -> l (both hold the same reference max); normalize and write
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffff, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
-    if (lane % 4 == 0) red_sum[wg * kRows + r0e + 8 * i] = l[i];
-    if (wg == 1 && lane % 4 == 0) red_tmax[r0e + 8 * i] = mt[i];
-  }
-  bar_sync<kBarSum>();
-  if (tid == 0) QUILT_STAMP(k, kTlSumsDone);
-  if (n_blocks == 0) mbar_arrive(bars.q_free());  // (no QK: arrived here instead)
-  constexpr bool kPartial = sizeof(OutT) == 4;
-  const int quad = lane % 4;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = r0e + 8 * i;
-    const RowOf x = row_of(p, pr, hblock, r);  // (a quad's four lanes share the row: shuffles below)
-    const int qq = x.qq, head = x.head;
-    const bool ok = x.ok;
-    const float lt = red_sum[r] + red_sum[kRows + r];
-    const bool empty = lt == 0.f;
-    const float lse = empty ? INFINITY : m[i] + log2f(lt);
-    float fac = empty ? 0.f : 1.f / lt;
-    if (!kPartial && p.sink != nullptr && !empty && ok) {
-      fac *= 1.f / (1.f + expf(p.sink[head] - lse * 0.6931471805599453f));
-    }
-    // an empty row writes zeros, not o * 0: a selected row whose logits are all -inf may still carry an inf in
-    // V, and P = 0 times it left NaN in o
-    auto fin = [empty, fac](float x) { return empty ? 0.f : x * fac; };
-    OutT* out = static_cast<OutT*>(p.out) + (ok ? qq * p.stride_os + head * p.stride_oh : 0) + wg * 256;
-    if constexpr (kPartial) {
-      if (ok) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          *reinterpret_cast<float2*>(out + j * 8 + quad * 2) =
-              make_float2(fin(o[j * 4 + i * 2]), fin(o[j * 4 + i * 2 + 1]));
-        }
-      }
-    } else {
-      // |x| bits, their max over the row's values: above +inf's only if one is a NaN (bits: fast math cannot drop it)
-      uint32_t nan_bits = 0;
-      // straight from registers, 16 bytes a thread (no stage: q's shared memory already holds the next q)
-#pragma unroll
-      for (int a = 0; a < 8; ++a) {
-        uint32_t v[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const float x0 = fin(o[(4 * a + c) * 4 + i * 2]), x1 = fin(o[(4 * a + c) * 4 + i * 2 + 1]);
-#ifndef QUILT_NO_NAN_QUEUE
-          nan_bits = max(nan_bits, max(__float_as_uint(x0) & 0x7fffffffu, __float_as_uint(x1) & 0x7fffffffu));
-#endif
-          v[c] = Mma<T>::pack(x0, x1);
-        }
-        quad_transpose(v, quad);
-        if (ok) *reinterpret_cast<uint4*>(out + (4 * a + quad) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
-      }
-      // a NaN may be a shared tile's 0 x inf from a partner's row: the repair pass redoes this query
-      if (p.repair != nullptr && ok && nan_bits > 0x7f800000u) queue_for_repair(p.repair, p.s_q, qq);
-    }
-    if (ok && wg == 0 && quad == 0) {
-      const float mlog = fmaxf(mt[i], red_tmax[r]);
-      p.max_logits[static_cast<long long>(qq) * p.h + head] = empty ? -INFINITY : mlog;
-      p.lse[static_cast<long long>(qq) * p.h + head] = lse;
-    }
-  }
-  if (tid == 0) QUILT_STAMP(k, kTlOutWritten);
+  write_program<T, OutT, wg>(p, pr, hblock, k, n_blocks, o, m, l, mt, red_sum, red_tmax, bars);
 }
 
 // A consumer warpgroup's programs, until the producer hands over the end

@@ -1,0 +1,99 @@
+"""The FP8 tensor-core mode (``precision="fp8"``) beside the exact bf16 kernel, interleaved, on the same inputs.
+
+Issue 19's shape: s_q 16384 at the end of a 64K-token context, Top-2048, an FP8 cache of N(0, 1) rows, plan
+prebuilt (query programs at h >= 64, as the default call runs them). Per head count, on two input sets that
+alternate (so that no call finds the last one's rows in L2):
+
+* ``exact``: ``sparse_prefill`` on the cache dequantized to bf16 (what FlashMLA would run on it), the baseline;
+* ``fp8``: ``sparse_prefill(..., precision="fp8")`` on the cache itself, q quantized in the call;
+* ``quantize-q``: the q quantization alone (part of ``fp8``).
+
+Both outputs are checked against the float32 reference on sampled queries (the FP8 mode's rel_err is its
+accuracy, BENCHMARKS.md), and the call's extra device memory is recorded.
+
+    python benchmarks/run.py fp8-mma --out F [--heads 16,8,32,64,128]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import quilt_attn
+from engine_shapes import check, extra_mib, time_alternating
+from quilt_attn import dispatch
+from quilt_attn.kv_cache import dequantize_fp8, quantize_fp8
+from quilt_attn.ops import cuda_backend
+from quilt_attn.workloads import generate
+from quilt_bench import bench
+
+D_QK, D_V = 576, 512
+
+
+def run_heads(h: int, s_q: int, s_kv: int, topk: int, workload: str, rounds: int, warmup: int, rep: int) -> list:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(11)
+    meth = "quilt" if dispatch.decide("cuda", "quilt", h).quilt else "query_parallel"
+    sets = []
+    for seed in range(2):
+        idx = generate(workload, s_q, s_kv, topk, seed=seed, device=dev)
+        q = torch.randn(s_q, h, D_QK, device=dev, dtype=torch.bfloat16, generator=gen)
+        cache = quantize_fp8(torch.randn(s_kv, D_QK, device=dev, dtype=torch.bfloat16, generator=gen))
+        plan = quilt_attn.plan(idx, s_kv=s_kv, **dispatch.plan_settings(h, "cuda")) if meth == "quilt" else None
+        sets.append((q, cache, dequantize_fp8(cache), idx, plan))
+    calls = {
+        "exact": lambda i: quilt_attn.sparse_prefill(sets[i][0], sets[i][2], sets[i][3], plan=sets[i][4],
+                                                     backend="cuda", method=meth),
+        "fp8": lambda i: quilt_attn.sparse_prefill(sets[i][0], sets[i][1], sets[i][3], plan=sets[i][4],
+                                                   precision="fp8", method=meth),
+        "quantize-q": lambda i: cuda_backend.quantize_q_fp8(sets[i][0]),
+    }
+    rows_chk = torch.randperm(s_q, generator=torch.Generator().manual_seed(3))[:256].to(dev)
+    q, cache, kvd, idx, _ = sets[0]
+    got = {}
+    for name in ("exact", "fp8"):
+        out, ml, lse = calls[name](0)
+        got[name] = check(out, ml, lse, q, kvd, idx, rows_chk, natural=True)
+    out_bytes = s_q * h * (D_V * 2 + 8)
+    mib = {name: extra_mib(lambda n=name: calls[n](0), out_bytes) for name in ("exact", "fp8")}
+    times = time_alternating(calls, rounds, warmup, rep)
+    rows = []
+    for name, ts in times.items():
+        row = dict(method=name, h=h, path=meth, s_q=s_q, s_kv=s_kv, topk=topk, workload=workload,
+                   precision="fp8" if name != "exact" else "exact", ms=statistics.median(ts), round_ms=ts)
+        if name in got:
+            row.update(got[name], extra_mib=mib[name])
+        rows.append(row)
+    return rows
+
+
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--heads", default="16,8,32,64,128")
+    p.add_argument("--workload", default="glm53-like")
+    p.add_argument("--s-q", type=int, default=16384)
+    p.add_argument("--s-kv", type=int, default=65536)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rep", type=int, default=20)
+    a = p.parse_args(argv)
+    rows = []
+    print("| h | path | exact ms | fp8 ms | fp8 / exact | quantize q ms | rel_err exact / fp8 | max dlse fp8 | "
+          "extra MiB exact / fp8 |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for h in (int(x) for x in a.heads.split(",")):
+        got = {r["method"]: r for r in run_heads(h, a.s_q, a.s_kv, a.topk, a.workload, a.rounds, a.warmup, a.rep)}
+        rows += got.values()
+        e, f = got["exact"], got["fp8"]
+        print(f"| {h} | {e['path']} | {e['ms']:.3f} | {f['ms']:.3f} | {f['ms'] / e['ms']:.2f} | "
+              f"{got['quantize-q']['ms']:.3f} | {e['rel_err']:.1e} / {f['rel_err']:.1e} | {f['lse_err']:.1e} | "
+              f"{e['extra_mib']:.0f} / {f['extra_mib']:.0f} |", flush=True)
+        bench.save(rows, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
