@@ -12,6 +12,12 @@ Both outputs are checked against the float32 reference on sampled queries (the F
 accuracy, BENCHMARKS.md), and the call's extra device memory is recorded.
 
     python benchmarks/run.py fp8-mma --out F [--heads 16,8,32,64,128]
+    python benchmarks/run.py fp8-mma --out F --ablation [--heads 16,64]
+
+``--ablation``: where the kernel's time goes, launches only, interleaved: ``full``; ``one-scale-rows`` (a copy
+of the cache whose four block scales a row are set to their max: no re-rounding, other values); and
+``no-transform`` (a build with ``-DQUILT_F8_SKIP_TRANSFORM``: the producer's transform left out, results
+invalid, so unchecked). The full launch's output is checked as above.
 """
 from __future__ import annotations
 
@@ -68,6 +74,42 @@ def run_heads(h: int, s_q: int, s_kv: int, topk: int, workload: str, rounds: int
     return rows
 
 
+def run_ablation(h: int, s_q: int, s_kv: int, topk: int, workload: str, rounds: int, warmup: int, rep: int) -> list:
+    from quilt_attn.ops.sparse_attention import alloc_outputs
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(11)
+    qp = not dispatch.decide("cuda", "quilt", h).quilt
+    idx = generate(workload, s_q, s_kv, topk, seed=0, device=dev)
+    q = torch.randn(s_q, h, D_QK, device=dev, dtype=torch.bfloat16, generator=gen)
+    cache = quantize_fp8(torch.randn(s_kv, D_QK, device=dev, dtype=torch.bfloat16, generator=gen))
+    one = cache.clone()
+    sc = one[:, 512:528].view(torch.float32)
+    sc[:] = sc.amax(-1, keepdim=True)
+    plan = None if qp else quilt_attn.plan(idx, s_kv=s_kv, **dispatch.plan_settings(h, "cuda"))
+    kw = dict(indices=idx) if qp else dict(plan=plan)
+    qf8, qs = cuda_backend.quantize_q_fp8(q)
+    out, ml, lse = alloc_outputs(q, D_V)
+    skip = cuda_backend.build(defines=("-DQUILT_F8_SKIP_TRANSFORM",))
+
+    def variant(lib, c):
+        def f():
+            cuda_backend.use_library(lib)
+            cuda_backend.launch(qf8, c, D_QK ** -0.5, out, ml, lse, q_scale=qs, **kw)
+        return f
+
+    out.fill_(float("nan"))
+    variant(None, cache)()
+    rows_chk = torch.randperm(s_q, generator=torch.Generator().manual_seed(3))[:256].to(dev)
+    chk = check(out, ml, lse, q, dequantize_fp8(cache), idx, rows_chk, natural=False)
+    fns = {"full": variant(None, cache), "one-scale-rows": variant(None, one), "no-transform": variant(skip, cache)}
+    times = bench.interleaved_rounds(fns, rounds, warmup=warmup, rep=rep)
+    cuda_backend.use_library(None)
+    return [dict(method=n, h=h, path="query_parallel" if qp else "quilt", s_q=s_q, s_kv=s_kv, topk=topk,
+                 workload=workload, precision="fp8", ms=statistics.median(ts), round_ms=ts,
+                 **(chk if n == "full" else {"checked": False})) for n, ts in times.items()]
+
+
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -79,8 +121,20 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rep", type=int, default=20)
+    p.add_argument("--ablation", action="store_true", help="launch-only variants: where the time goes")
     a = p.parse_args(argv)
     rows = []
+    if a.ablation:
+        print("| h | full ms | one-scale rows ms | no transform ms | rel_err full |", flush=True)
+        print("| --- | --- | --- | --- | --- |", flush=True)
+        for h in (int(x) for x in a.heads.split(",")):
+            got = {r["method"]: r for r in run_ablation(h, a.s_q, a.s_kv, a.topk, a.workload, a.rounds, a.warmup,
+                                                        a.rep)}
+            rows += got.values()
+            print(f"| {h} | {got['full']['ms']:.3f} | {got['one-scale-rows']['ms']:.3f} | "
+                  f"{got['no-transform']['ms']:.3f} | {got['full']['rel_err']:.1e} |", flush=True)
+            bench.save(rows, a.out)
+        return 0
     print("| h | path | exact ms | fp8 ms | fp8 / exact | quantize q ms | rel_err exact / fp8 | max dlse fp8 | "
           "extra MiB exact / fp8 |", flush=True)
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
