@@ -251,7 +251,7 @@ def test_settings_argument():
 
     assert list(inspect.signature(sparse_prefill).parameters) == [
         "q", "kv", "indices", "sm_scale", "d_v", "attn_sink", "topk_length", "plan", "backend", "method", "settings",
-        "workspace", "_triton"]
+        "workspace", "precision", "_triton"]
     q, kv, idx = small()
     with pytest.raises(TypeError, match="settings must be a quilt_attn.PlanSettings or None, got dict"):
         sparse_prefill(q, kv, idx, settings={"group_size": 4})
