@@ -246,6 +246,29 @@ def _pv(p, ks, lat, p_granularity: str, bits):
     return o.reshape(c, h, D_NOPE)
 
 
+def _check_arguments(q, cache, indices, sm_scale, topk_length, attn_sink):
+    """The FP8 references' arguments, checked: (cache, indices, topk_length, attn_sink) canonical, and the
+    softmax scale."""
+    require_tensor("q", q)
+    require_ndim("q", q, (3,), "[s_q, h, d_qk]")
+    require_dtype("q", q, FLOAT_DTYPES)
+    if q.shape[2] != D_QK:
+        raise ValueError(f"q must have d_qk = {D_QK} (512 latent + 64 rope) for the FP8 mode, got {q.shape[2]}")
+    if not (isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8):
+        require_tensor("cache", cache)
+        raise TypeError(f"cache must be the FP8 cache (uint8 [s_kv, 656], quilt_attn.quantize_fp8), got "
+                        f"{str(cache.dtype).replace('torch.', '')} {tuple(cache.shape)}")
+    cache = canonical_fp8_cache(cache, "cache")
+    require_same_device("cache", cache, "q", q)
+    s_q, h, _ = q.shape
+    indices = canonical_indices(indices, s_q)
+    require_same_device("indices", indices, "q", q)
+    topk = indices.shape[1]
+    topk_length = check_topk_length(topk_length, s_q, indices.device, topk)
+    attn_sink = check_attn_sink(attn_sink, h, q.device)
+    return cache, indices, topk_length, attn_sink, check_sm_scale(sm_scale, D_QK)
+
+
 def sparse_prefill_fp8_reference(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -281,24 +304,10 @@ def sparse_prefill_fp8_reference(
     -------
     out ``[s_q, h, 512]`` float32, max_logits ``[s_q, h]`` and lse ``[s_q, h]`` float32 (natural log).
     """
-    require_tensor("q", q)
-    require_ndim("q", q, (3,), "[s_q, h, d_qk]")
-    require_dtype("q", q, FLOAT_DTYPES)
-    if q.shape[2] != D_QK:
-        raise ValueError(f"q must have d_qk = {D_QK} (512 latent + 64 rope) for the FP8 mode, got {q.shape[2]}")
-    if not (isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8):
-        require_tensor("cache", cache)
-        raise TypeError(f"cache must be the FP8 cache (uint8 [s_kv, 656], quilt_attn.quantize_fp8), got "
-                        f"{str(cache.dtype).replace('torch.', '')} {tuple(cache.shape)}")
-    cache = canonical_fp8_cache(cache, "cache")
-    require_same_device("cache", cache, "q", q)
+    cache, indices, topk_length, attn_sink, scale = _check_arguments(q, cache, indices, sm_scale, topk_length,
+                                                                     attn_sink)
     s_q, h, _ = q.shape
-    indices = canonical_indices(indices, s_q)
-    require_same_device("indices", indices, "q", q)
     topk = indices.shape[1]
-    topk_length = check_topk_length(topk_length, s_q, indices.device, topk)
-    attn_sink = check_attn_sink(attn_sink, h, q.device)
-    scale = check_sm_scale(sm_scale, D_QK)
     _check_choice("q_granularity", q_granularity, Q_GRANULARITIES)
     _check_choice("p_granularity", p_granularity, P_GRANULARITIES)
     bits = _check_acc_bits(acc_mantissa_bits)
@@ -411,24 +420,11 @@ def sparse_prefill_fp8_kernel_reference(q: torch.Tensor, cache: torch.Tensor, in
     The exact sums are float64 sums of e4m3 / bf16 products (exact, see the module docstring), each rounded
     once to float32.
     """
-    require_tensor("q", q)
-    require_ndim("q", q, (3,), "[s_q, h, d_qk]")
-    require_dtype("q", q, FLOAT_DTYPES)
-    if q.shape[2] != D_QK:
-        raise ValueError(f"q must have d_qk = {D_QK} (512 latent + 64 rope) for the FP8 mode, got {q.shape[2]}")
-    if not (isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8):
-        require_tensor("cache", cache)
-        raise TypeError(f"cache must be the FP8 cache (uint8 [s_kv, 656], quilt_attn.quantize_fp8), got "
-                        f"{str(cache.dtype).replace('torch.', '')} {tuple(cache.shape)}")
-    cache = canonical_fp8_cache(cache, "cache")
-    require_same_device("cache", cache, "q", q)
+    cache, indices, topk_length, attn_sink, scale = _check_arguments(q, cache, indices, sm_scale, topk_length,
+                                                                     attn_sink)
     s_q, h, _ = q.shape
-    indices = canonical_indices(indices, s_q)
-    require_same_device("indices", indices, "q", q)
     topk = indices.shape[1]
-    topk_length = check_topk_length(topk_length, s_q, indices.device, topk)
-    attn_sink = check_attn_sink(attn_sink, h, q.device)
-    scale2 = torch.tensor(check_sm_scale(sm_scale, D_QK) * LOG2E, dtype=torch.float32)  # (the kernel's float)
+    scale2 = torch.tensor(scale * LOG2E, dtype=torch.float32)  # (the kernel's float)
     chunk = _check_chunk(chunk) or max(1, _BUDGET // (topk * (2 * h + D_QK)))
 
     dev = q.device

@@ -155,6 +155,26 @@ __device__ __forceinline__ bool warp_unchanged(const float (&f)[2]) {
   return __all_sync(0xffffffff, f[0] == 1.f && f[1] == 1.f);
 }
 
+// this thread's two rows' reference max -> the hand-off array (a quad's lane 0 writes it)
+__device__ __forceinline__ void publish_max(float* red_max, const float (&m)[2], int r0, int lane) {
+  if (lane % 4 == 0) {
+    red_max[r0] = m[0];
+    red_max[r0 + 8] = m[1];
+  }
+}
+
+// take the other warpgroup's reference (red_max): f = 2^(m - theirs), l rescaled; true when no row moved
+__device__ __forceinline__ bool adopt_max(float (&m)[2], float (&l)[2], float (&f)[2], const float* red_max, int r0) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float mb = red_max[r0 + 8 * i];
+    f[i] = exp2f(m[i] - mb);
+    m[i] = mb;
+    l[i] *= f[i];
+  }
+  return warp_unchanged(f);
+}
+
 // O's two rows of this thread times f[0], f[1] (accumulator layout of m64n256)
 __device__ __forceinline__ void scale_rows(float (&o)[128], const float (&f)[2]) {
 #pragma unroll
@@ -199,10 +219,7 @@ __device__ __forceinline__ void softmax_publish_pv(float (&s)[32], float (&o)[12
                                                    float* red_max, int r0, int lane, uint32_t skv, int wg,
                                                    bool own_tile, uint8_t* smem) {
   softmax_step(s, o, m, l, m_new, scale2);
-  if (lane % 4 == 0) {
-    red_max[r0] = m[0];
-    red_max[r0 + 8] = m[1];
-  }
+  publish_max(red_max, m, r0, lane);
   bar_arrive<kBarDone>();
   const float one[2] = {1.f, 1.f};
   pack_p<T>(pk, s, one);
@@ -394,14 +411,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
       // warpgroup 1's max is the block's: rescale P0 to it, publish P0, then take P1 V1
       bar_sync<kBarMax1>();
       float f[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float mb = red_max[r0 + 8 * i];
-        f[i] = exp2f(m[i] - mb);
-        m[i] = mb;
-        l[i] *= f[i];
-      }
-      const bool same = warp_unchanged(f);
+      const bool same = adopt_max(m, l, f, red_max, r0);
       if (!same) {  // (else P0 in shared memory is already at this max)
         pack_p<T>(pk, s, f);
         store_p(smem, kSmemP0, pk, r0, lane);

@@ -295,15 +295,8 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   int tile0[2], tile_n[2];
   int gb = 0;
   volatile int* next = reinterpret_cast<int*>(F8_AT(smem, work));
-  const bool round_robin = !p.from_plan && p.nhb > 1;
   for (int k = 0;; ++k) {
-    if (t == 0) {
-      next[k & 1] = k == 0 ? blockIdx.x
-                  : round_robin ? blockIdx.x + k * gridDim.x
-                                : gridDim.x + atomicAdd(p.work_counter, 1);
-    }
-    producer_sync();
-    const int w = next[k & 1];
+    const int w = next_work_item(p, k, t, next);
     if (w >= p.n_work) {
       hand_over_q(p, w, Program{}, 0, k, t, smem, bars);
       break;
@@ -521,10 +514,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
         mt[i] = fmaxf(mt[i], ma[i] * c[i]);
       }
       softmax_step(s, o, m, l, m_new, c, col0, lane);
-      if (lane % 4 == 0) {
-        red_max[r0] = m[0];
-        red_max[r0 + 8] = m[1];
-      }
+      publish_max(red_max, m, r0, lane);
       bar_arrive<kBarMax0>();
       pack_p(pk, s, one);
       store_p(sp0, pk, r0, lane);  // at its own max (the block's rarely moves)
@@ -537,14 +527,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
 
       bar_sync<kBarMax1>();
       float f[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float mb = red_max[r0 + 8 * i];
-        f[i] = exp2f(m[i] - mb);
-        m[i] = mb;
-        l[i] *= f[i];
-      }
-      const bool same = warp_unchanged(f);
+      const bool same = adopt_max(m, l, f, red_max, r0);
       if (!same) {
         pack_p(pk, s, f);
         store_p(sp0, pk, r0, lane);
@@ -596,10 +579,7 @@ __device__ __forceinline__ void consume(const Params& p, const Program& pr, int 
       for (int i = 0; i < 2; ++i) m_new[i] = next_max(red_max[r0 + 8 * i], my[i]);
       __syncwarp();
       softmax_step(s, o, m, l, m_new, c, col1, lane);
-      if (lane % 4 == 0) {
-        red_max[r0] = m[0];
-        red_max[r0 + 8] = m[1];
-      }
+      publish_max(red_max, m, r0, lane);
       bar_arrive<kBarMax1>();
       pack_p(pk, s, one);
       wgmma_fence();

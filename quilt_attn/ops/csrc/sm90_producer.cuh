@@ -118,6 +118,21 @@ __device__ __forceinline__ void fill_fp8(const Params& p, uint32_t dst, const in
   }
 }
 
+// The CTA's k-th work item, for every producer thread (t: the thread's index in the producer warpgroup; next:
+// the two shared-memory slots it passes through): blockIdx.x first, then whatever is left (longest programs
+// first), one at a time; or round-robin (query programs in head blocks: equal lengths up to topk_length, pairs
+// kept in step)
+__device__ __forceinline__ int next_work_item(const Params& p, int k, int t, volatile int* next) {
+  const bool round_robin = !p.from_plan && p.nhb > 1;
+  if (t == 0) {
+    next[k & 1] = k == 0 ? blockIdx.x
+                : round_robin ? blockIdx.x + k * gridDim.x
+                              : gridDim.x + atomicAdd(p.work_counter, 1);
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"n"(static_cast<int>(kBarProducer)) : "memory");  // (producer only)
+  return next[k & 1];
+}
+
 // Program k of this CTA (work item w: program pr, head block hblock): q rows -> shared memory (zero
 // rows for padding) once the previous program's QKs are done with it, then the work item
 // for the consumers; q_ready completes when both have landed. w >= n_work tells the consumers to stop.
@@ -219,17 +234,8 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   };
   int gb = 0;  // kv blocks of the CTA's earlier programs: the ready / free barriers' phase
   volatile int* next = reinterpret_cast<int*>(smem + kSmemWork);
-  const bool round_robin = !p.from_plan && p.nhb > 1;
   for (int k = 0;; ++k) {
-    // work items: blockIdx.x first, then whatever is left (longest programs first), one at a time; or
-    // round-robin (query programs in head blocks: equal lengths up to topk_length, pairs kept in step)
-    if (t == 0) {
-      next[k & 1] = k == 0 ? blockIdx.x
-                  : round_robin ? blockIdx.x + k * gridDim.x
-                                : gridDim.x + atomicAdd(p.work_counter, 1);
-    }
-    asm volatile("bar.sync %0, 128;\n" ::"n"(static_cast<int>(kBarProducer)) : "memory");  // (producer only)
-    const int w = next[k & 1];
+    const int w = next_work_item(p, k, t, next);
     if (w >= p.n_work) {
       hand_over<T>(p, w, Program{}, 0, k, t, smem, bars);
       break;
