@@ -3,7 +3,7 @@ FP8 cache widened in the kernel).
 
     ncu --set full --import-source no -k regex:quilt_sm90 -c 1 -o prof python benchmarks/run.py profile --h 64
     ncu --set full --import-source no -k regex:plan_kernel -c 1 -o prof python benchmarks/run.py profile --plan
-      (the planner kernel at the plan settings of --h; without ncu it prints the kernel's and plan()'s times)
+      (the planner kernel at the settings a default call at --h heads plans with; without ncu it prints the kernel's and plan()'s times)
     python benchmarks/run.py profile --summarize prof.ncu-rep   # hottest SASS lines by warp stall samples
 """
 import argparse
@@ -82,15 +82,19 @@ def main(argv=None, prog=None) -> int:
 
         from quilt_attn.planner.buffers import plan_buffers
 
-        M = program_shape(a.h, 8)[0]
-        buf = plan_buffers(a.s_q, 2048, 8, M, 64, False, idx.device)
-        run = lambda: cuda_backend.launch_plan(idx, None, 65536, 8, M, 64, 32.0, False, False, buf)  # noqa: E731
+        from quilt_attn import dispatch
+
+        kw = dispatch.plan_settings(a.h, "cuda")  # the plan a default call at h heads builds
+        G, M = kw["group_size"], kw["merge_level"]
+        buf = plan_buffers(a.s_q, 2048, G, M, 64, False, idx.device)
+        thr = kw["clip_threshold"] * 64
+        run = lambda: cuda_backend.launch_plan(idx, None, 65536, G, M, 64, thr, False, False, buf)  # noqa: E731
         run()
         torch.cuda.synchronize()
         t_kernel = triton.testing.do_bench(run, warmup=5, rep=40, return_mode="median")
-        t_plan = triton.testing.do_bench(lambda: make_plan(idx, s_kv=65536, merge_level=M, backend="cuda"), warmup=5,
+        t_plan = triton.testing.do_bench(lambda: make_plan(idx, s_kv=65536, backend="cuda", **kw), warmup=5,
                                          rep=40, return_mode="median")
-        print(f"planner kernel {t_kernel:.3f} ms, plan() {t_plan:.3f} ms (s_q {a.s_q}, merge {M})")
+        print(f"planner kernel {t_kernel:.3f} ms, plan() {t_plan:.3f} ms (s_q {a.s_q}, group {G}, merge {M})")
         return 0
     q = torch.randn(a.s_q, a.h, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(65536, 576, device="cuda", dtype=torch.bfloat16)
