@@ -363,7 +363,15 @@ def cuda_pays_off(plan, h: int) -> bool:
 # ----------------------------------------------------------------------------- outputs
 def natural_log_stats(max_logits: torch.Tensor, lse: torch.Tensor):
     """The kernels' base-2 ``max_logits, lse [s_q, h]`` (float32) turned into FlashMLA's natural-log values,
-    in place on the device (times ln 2; an empty row's -inf / +inf stay). Returns them."""
+    in place on the device (times ln 2; an empty row's -inf / +inf stay). Returns them. One launch when they
+    are the two halves of one contiguous buffer (``alloc_outputs``'), two otherwise."""
+    n = max_logits.numel()
+    if (max_logits.is_contiguous() and lse.is_contiguous() and lse.numel() == n and lse.dtype == max_logits.dtype
+            and lse.device == max_logits.device
+            and lse.data_ptr() == max_logits.data_ptr() + n * max_logits.element_size()
+            and lse.untyped_storage().data_ptr() == max_logits.untyped_storage().data_ptr()):
+        max_logits.as_strided((2 * n,), (1,)).mul_(LN2)
+        return max_logits, lse
     max_logits.mul_(LN2)
     lse.mul_(LN2)
     return max_logits, lse

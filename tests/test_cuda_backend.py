@@ -233,6 +233,38 @@ def _inputs(h, s_q=256, s_kv=4096, topk=2048, workload="glm53-like", dtype=BF16,
 
 @gpu
 @on_hopper
+@pytest.mark.parametrize("n,max_tiles", [(1, 0), (31, 5), (33, 1), (4096, 271), (8193, 135), (20000, 40),
+                                         (3000, cuda_backend.PROGRAM_ORDER_MAX_TILES)])
+def test_program_order_kernel_is_torchs_stable_descending_sort(n, max_tiles):
+    """The order kernel's launch order is ``argsort(descending=True, stable=True)`` exactly: ties (few bins,
+    many ids) keep id order across the warp's 32-id steps and the 8192-id chunks."""
+    g = torch.Generator(device="cuda").manual_seed(n + max_tiles)
+    ntiles = torch.randint(0, min(max_tiles, 60) + 1, (n,), generator=g, device="cuda", dtype=torch.int32)
+    ntiles[: n // 3] = max_tiles  # the top bin, and the bin of 0 beside it
+    got = cuda_backend.program_order(ntiles, max_tiles)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, torch.argsort(ntiles, descending=True, stable=True).to(torch.int32))
+
+
+@gpu
+@on_hopper
+@pytest.mark.parametrize("G,qp", [(4, 4), (8, 8), (8, 4), (8, 1)])
+def test_plan_programs_of_one_program_a_group_read_no_list(G, qp):
+    """One program a group: no tile list (the kernel reads the group's slots in order) and the group's tile
+    counts; fewer queries a program: the plan's work list. The launch order is the plan's in both."""
+    _, _, idx = _inputs(16, s_q=200)
+    p = make_plan(idx, s_kv=4096, group_size=G, merge_level=min(G, qp) if qp > 1 else 1)
+    tiles, ntiles, order = cuda_backend.plan_programs(p, qp)
+    if qp >= G:
+        assert tiles is None and ntiles is p.group_tiles
+    else:
+        assert tiles is p.work_list(qp)[0] and torch.equal(ntiles, p.work_list(qp)[1])
+    assert torch.equal(order, p.program_order(qp))
+    assert cuda_backend.plan_programs(p, qp)[2] is order  # kept with the plan
+
+
+@gpu
+@on_hopper
 @pytest.mark.parametrize("h", [3, 12, 40, 100])
 def test_cuda_odd_head_counts(h, nan_poison):
     """Head counts that pad a program's rows (HB a power of two, rows < 64, two head blocks)."""

@@ -728,7 +728,7 @@ _ON_HOPPER = _ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cuda_planner_matches_torch_gpu(G, M, T, tau, imp, split, seed, monkeypatch):
     """The CUDA planner equals the torch planner (invalid rows, topk_length, clipping, split private rows);
-    its tile arrays come uninitialized (poisoned here), so every slot must have been written."""
+    its tile arrays and dropped counts come uninitialized (poisoned here), so every slot must have been written."""
     _poison_cuda_plan_buffers(monkeypatch)
     _backend_case(G, M, T, tau, imp, "bitmap", "cuda", seed=seed, backend="cuda", split=split)
 
@@ -749,7 +749,7 @@ def _poison_cuda_plan_buffers(monkeypatch):
 
     def poisoned(*args, **kw):
         buf = cuda_plan_buffers(*args, **kw)
-        for name in ("tile_kv", "tile_mask", "tile_level", "tile_members"):
+        for name in ("tile_kv", "tile_mask", "tile_level", "tile_members", "dropped"):
             if buf[name] is not None:  # (tile_mask None: packed columns)
                 buf[name].fill_(0x5EADBEEF)
         return buf

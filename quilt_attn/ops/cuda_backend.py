@@ -155,6 +155,9 @@ def _library():
             lib.quilt_plan_launch.argtypes = [ctypes.POINTER(_PlanParams), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                               ctypes.c_void_p]
             lib.quilt_plan_launch.restype = ctypes.c_int
+            lib.quilt_program_order_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                       ctypes.c_void_p]
+            lib.quilt_program_order_launch.restype = ctypes.c_int
             for struct, prefix in ((_Params, "quilt_sm90"), (_PlanParams, "quilt_plan")):
                 ours = mirror_layout(struct)
                 # (a library built before the layout table: its size is all there is to check)
@@ -308,10 +311,43 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
 
+PROGRAM_ORDER_MAX_TILES = (1 << 15) - 1  # the order kernel's bins (quilt_program_order_launch)
+
+
+def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
+    """``torch.argsort(ntiles, descending=True, stable=True)`` as int32, by one small kernel (a counting sort:
+    one launch where torch's sort takes several and ~20 us) for contiguous int32 counts in ``0..max_tiles`` on
+    the GPU; torch's sort otherwise. No host sync."""
+    if (not ntiles.is_cuda or ntiles.dtype != torch.int32 or not ntiles.is_contiguous() or ntiles.dim() != 1
+            or not 0 <= max_tiles <= PROGRAM_ORDER_MAX_TILES):
+        return torch.argsort(ntiles, descending=True, stable=True).to(torch.int32)
+    order = torch.empty_like(ntiles)
+    lib = _library()
+    stream = torch.cuda.current_stream(ntiles.device).cuda_stream
+    err = lib.quilt_program_order_launch(_ptr(ntiles), ntiles.numel(), max_tiles, _ptr(order), ctypes.c_void_p(stream))
+    if err != 0:
+        raise CudaBackendError(f"program order launch failed: {lib.quilt_sm90_error_string(err).decode()}")
+    return order
+
+
+def plan_programs(plan, qp: int):
+    """``(prog_tiles, prog_ntiles, order)`` of ``plan``'s programs of ``qp`` queries for the kernel: with one
+    program a group (``qp >= group_size``) no tile list (None: the kernel reads tile ``i`` of program ``g`` at
+    slot ``g * cap + i``) and the group's tile counts; else ``plan.work_list(qp)``. ``order``: longest programs
+    first (``Plan.program_order``'s ids, by ``program_order``), kept with the plan."""
+    if qp >= plan.group_size:
+        tiles, ntiles = None, plan.wait().group_tiles
+    else:
+        tiles, ntiles = plan.work_list(qp)
+    order = plan.cached(("cuda_backend.program_order", min(qp, plan.group_size)),
+                        lambda: program_order(ntiles, plan.capacity))
+    return tiles, ntiles, order
+
+
 def work_items(h: int, s_q: int, plan=None) -> int:
     """Work items of a launch: programs (the plan's, else one a query) x head blocks."""
     qp, hb = program_shape(h, plan.group_size if plan is not None else 1)
-    n_prog = plan.work_list(qp)[0].shape[0] if plan is not None else s_q
+    n_prog = s_q if plan is None else plan.n_groups * (plan.group_size // min(qp, plan.group_size))
     return n_prog * -(-h // hb)
 
 
@@ -367,15 +403,15 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     prm.skip = _skip
     prm.q_scale = _ptr(q_scale)
     if plan is not None:
-        prog_tiles, prog_ntiles = plan.work_list(qp)
+        prog_tiles, prog_ntiles, order = plan_programs(plan, qp)
         cols = plan.tile_kv if tile_kv is None else tile_kv
         if cols.shape != plan.tile_kv.shape or cols.dtype != torch.int32 or not cols.is_contiguous():
             raise ValueError(f"tile_kv must be contiguous int32 {tuple(plan.tile_kv.shape)}, got {cols.dtype} "
                              f"{tuple(cols.shape)}")
         prm.tile_kv, prm.tile_mask = cols.data_ptr(), _ptr(plan.tile_mask)  # None: packed columns
-        prm.prog_tiles, prm.prog_ntiles = prog_tiles.data_ptr(), prog_ntiles.data_ptr()
-        prm.prog_order = plan.program_order(qp).data_ptr()  # longest programs first
-        prm.prog_cap, prm.topk, prm.from_plan = prog_tiles.shape[1], plan.topk, 1
+        prm.prog_tiles, prm.prog_ntiles = _ptr(prog_tiles), prog_ntiles.data_ptr()
+        prm.prog_order = order.data_ptr()  # longest programs first
+        prm.prog_cap, prm.topk, prm.from_plan = plan.capacity, plan.topk, 1
     else:
         prm.indices, prm.stride_idx, prm.topk = indices.data_ptr(), indices.stride(0), indices.shape[1]
         prm.topk_length = _ptr(topk_length)

@@ -349,13 +349,13 @@ def launch_sparse_attention(q, kv, sm_scale, d_v, *, indices=None, topk_length=N
 
 
 def alloc_outputs(q, d_v: int, out_dtype=None):
-    """Uninitialized ``out [s_q, h, d_v]`` (q's dtype, or ``out_dtype``), ``max_logits, lse [s_q, h]`` float32."""
+    """Uninitialized ``out [s_q, h, d_v]`` (q's dtype, or ``out_dtype``), ``max_logits, lse [s_q, h]`` float32
+    (the two halves of one buffer, so that ``dispatch.natural_log_stats`` converts both in one launch)."""
     import torch
 
     s_q, h, _ = q.shape
-    return (torch.empty(s_q, h, d_v, dtype=out_dtype or q.dtype, device=q.device),
-            torch.empty(s_q, h, dtype=torch.float32, device=q.device),
-            torch.empty(s_q, h, dtype=torch.float32, device=q.device))
+    stats = torch.empty(2, s_q, h, dtype=torch.float32, device=q.device)
+    return torch.empty(s_q, h, d_v, dtype=out_dtype or q.dtype, device=q.device), stats[0], stats[1]
 
 
 def repair_buffer(s_q: int, device):

@@ -109,8 +109,8 @@ def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: boo
     ``s_kv`` decides the column format (``packs_columns``): packed plans have no ``tile_mask`` (None),
     and padding words are -1. ``workspace``: a caller's uint8 tensor on ``device`` of at least
     ``plan_workspace_bytes`` bytes to carve the tensors from (``ValueError`` naming ``workspace`` when it
-    is too small, of another dtype or device); None allocates them. ``filled=False``: the tile arrays come
-    uninitialized, for a planner that writes every slot itself.
+    is too small, of another dtype or device); None allocates them. ``filled=False``: the tile arrays and
+    ``dropped`` come uninitialized, for a planner that writes every slot and every query's count itself.
     """
     shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
     if workspace is None:
@@ -124,7 +124,7 @@ def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: boo
         for name, value in (("tile_kv", -1), ("tile_mask", 0), ("tile_level", -1), ("tile_members", 0)):
             if out[name] is not None:
                 out[name].fill_(value)
-    out["dropped"].zero_()
+        out["dropped"].zero_()
     if split_private:
         out["priv_idx"].fill_(-1)
         out["priv_n"].zero_()

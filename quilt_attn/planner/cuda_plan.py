@@ -27,11 +27,10 @@ def unsupported_reason(device: torch.device, G: int, topk: int, s_kv: int | None
 def plan_cuda(indices, s_kv: int | None, topk_length, G, M, T, thr, importance_clip, split_private=False,
               workspace=None):
     """Run the planner kernel (rows ``>= s_kv`` invalid; ``s_kv`` None: only negatives); returns the Plan's
-    tensor fields and the valid-pair count."""
+    tensor fields."""
     s_q, topk = indices.shape
     buf = plan_buffers(s_q, topk, G, M, T, split_private, indices.device, filled=False, s_kv=s_kv,
                        workspace=workspace)  # the kernel writes every slot
     lengths = None if topk_length is None else topk_length.contiguous()
     cuda_backend.launch_plan(indices.contiguous(), lengths, s_kv, G, M, T, thr, importance_clip, split_private, buf)
-    group_valid = buf.pop("group_valid")
-    return buf, group_valid.sum(dtype=torch.int64)
+    return buf

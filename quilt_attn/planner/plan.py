@@ -68,7 +68,9 @@ class Plan:
     priv_idx, priv_n : int32 ``[s_q, topk]`` and ``[s_q]``, or None
         with ``split_private``: each query's private rows (importance order, -1 padded) and their
         count; these rows are in no tile and are run query by query (16-row programs) instead.
-    valid_pairs : int64 scalar tensor, valid (query, row) pairs of the input.
+    group_valid : int32 ``[n_groups]``
+        valid (query, row) pairs of each group's input; ``valid_pairs`` is their sum (int64 scalar tensor,
+        computed when first read).
     """
 
     s_q: int
@@ -90,7 +92,7 @@ class Plan:
     dropped: torch.Tensor
     priv_idx: torch.Tensor | None
     priv_n: torch.Tensor | None
-    valid_pairs: torch.Tensor
+    group_valid: torch.Tensor
     _stats: dict | None = field(default=None, repr=False)
     _work: dict = field(default_factory=dict, repr=False)
     _ready: object = field(default=None, repr=False)  # plan_ahead: a CUDA event after the planner's work
@@ -120,6 +122,11 @@ class Plan:
                 t.record_stream(s)
             self._waited.add(s.cuda_stream)
         return self
+
+    @property
+    def valid_pairs(self) -> torch.Tensor:
+        """Valid (query, row) pairs of the input (int64 scalar tensor on the plan's device; no host sync)."""
+        return self.cached(("plan.valid_pairs",), lambda: self.wait().group_valid.sum(dtype=torch.int64))
 
     @property
     def device(self) -> torch.device:
@@ -470,23 +477,22 @@ def plan(
     which = _planner_backend(dev, backend, tile, G, topk, s_kv, mask_method)
     # every planner's tables are sized by the group's entries, not by s_kv: no bound to find (no host sync)
     if which == "cuda":
-        parts, valid_pairs = plan_cuda(indices, s_kv, topk_length, G, M, tile, thr, importance_clip,
-                                       split_private, workspace=workspace)
+        parts = plan_cuda(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, split_private,
+                          workspace=workspace)
     elif which == "triton":
         # imported here, not above: a Triton kernel module picks the interpreter (TRITON_INTERPRET) when it is
         # first imported, which the CLI sets after importing the package
         from .triton_plan import plan_triton
 
-        parts, valid_pairs = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, mask_method,
-                                         split_private, workspace=workspace)
+        parts = plan_triton(indices, s_kv, topk_length, G, M, tile, thr, importance_clip, mask_method,
+                            split_private, workspace=workspace)
     else:
         buf = plan_buffers(s_q, topk, G, M, tile, split_private, dev, filled=False, s_kv=s_kv, workspace=workspace)
         valid = valid_index_mask(indices, s_kv if s_kv is not None else NO_S_KV_BOUND, topk_length)
         idx, valid = pad_to_groups(indices, G, -1), pad_to_groups(valid, G, False)
         masks, ids = group_masks(idx, valid, G, mask_method)
         parts = _plan_torch(idx, valid, masks, ids, G, M, tile, thr, importance_clip, split_private, buf)
-        valid_pairs = parts.pop("group_valid").sum(dtype=torch.int64)
     return Plan(s_q=s_q, topk=topk, s_kv=s_kv, group_size=G, tile=tile, clip_threshold=float(clip_threshold),
                 importance_clip=bool(importance_clip), merge_level=M, mask_method=mask_method,
-                split_private=bool(split_private), valid_pairs=valid_pairs,
+                split_private=bool(split_private),
                 source=source, **parts)

@@ -314,7 +314,7 @@ def _workspace(device: torch.device, n_prog: int, hs: int, G: int, kp: int) -> t
 def plan_triton(indices, s_kv: int | None, topk_length, G, M, T, thr, importance_clip, mask_method,
                 split_private=False, workspace=None):
     """Run the fused planner (rows ``>= s_kv`` invalid; None: only negatives); returns the Plan's tensor
-    fields and the valid-pair count. ``workspace``: the caller's bytes for the plan's tensors (``plan``)."""
+    fields. ``workspace``: the caller's bytes for the plan's tensors (``plan``)."""
     s_q, topk = indices.shape
     dev = indices.device
     n_groups = -(-s_q // G)
@@ -340,7 +340,7 @@ def plan_triton(indices, s_kv: int | None, topk_length, G, M, T, thr, importance
         n_prog = min(n_groups, 4)
     table, scratch = _workspace(dev, max(n_prog, 1), hs, G, KP)
     if n_groups == 0:
-        return buf, buf.pop("group_valid").sum(dtype=torch.int64)
+        return buf
     _plan_kernel[(n_prog,)](
         indices, topk_length if topk_length is not None else indices, masks, lvl, table, scratch,
         buf["tile_kv"], buf["tile_kv"] if packed else buf["tile_mask"], buf["tile_level"], buf["tile_members"],
@@ -351,5 +351,4 @@ def plan_triton(indices, s_kv: int | None, topk_length, G, M, T, thr, importance
         MASKS_GIVEN=masks_given, ICLIP=bool(importance_clip), SPLIT=bool(split_private), PACKED=packed,
         num_warps=PLAN_WARPS,
     )
-    group_valid = buf.pop("group_valid")
-    return buf, group_valid.sum(dtype=torch.int64)
+    return buf

@@ -44,7 +44,7 @@ struct PlanParams {
   int* group_tiles;        // [n_groups]
   int* group_rows;         // [n_groups]
   int* group_valid;        // [n_groups]
-  int* dropped;            // [s_q], written with iclip
+  int* dropped;            // [s_q], every entry written
   int* priv_idx;           // [s_q, topk], kept private rows written with split (the rest left as set)
   int* priv_n;             // [s_q], written with split
   long long stride_idx;
@@ -89,11 +89,19 @@ __device__ __forceinline__ unsigned count_nibbles(unsigned long long x, unsigned
 }
 __host__ __device__ constexpr int ilog2_c(int x) { return x > 1 ? 1 + ilog2_c(x / 2) : 0; }
 
+// A thread's 16 ints of the rows area are four 16-byte pieces, kRowsStride pieces apart: piece i of a warp's
+// lanes is one contiguous 512 bytes, so each 16-byte load or store of a warp takes the minimum 4 wavefronts
+// (the lanes' pieces side by side, 64 bytes apart, took 16). A warp's stretch stays its own 2 KB.
+#ifdef QUILT_PLAN_ROWS_CONTIGUOUS  // measurement only: the former layout, a thread's pieces side by side
+constexpr int kRowsStride = 1;
+#else
+constexpr int kRowsStride = 32;
+#endif
 // this thread's 16 kv rows (-1: invalid entry), kept in shared memory between phases
 __device__ __forceinline__ void load_rows(const int4* src, int (&r)[kEpt]) {
 #pragma unroll
   for (int i = 0; i < kEpt / 4; ++i) {
-    const int4 v = src[i];
+    const int4 v = src[kRowsStride * i];
     r[4 * i] = v.x, r[4 * i + 1] = v.y, r[4 * i + 2] = v.z, r[4 * i + 3] = v.w;
   }
 }
@@ -256,7 +264,7 @@ template <int G, bool kFlat, int kH>
 struct PlanCta {
   unsigned char* smem;       // the dynamic shared memory
   int tid, nt, tpm;          // thread, threads, threads a member
-  int4* my_rows;             // this thread's 16 ints of the rows area
+  int4* my_rows;             // this thread's first piece of the rows area (kRowsStride)
   unsigned* fkeys;           // the pushed-row set: keys, then flag words
   unsigned* fvals;
   unsigned* hkeys;           // the membership table: keys, then member bytes
@@ -380,7 +388,7 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
     for (int c4 = 0; c4 < 4; ++c4) {
       v[c4] = kH == 1 ? ent[0][4 * i + c4] : (ent[0][4 * i + c4] & 0xFFFF) | (ent[kH - 1][4 * i + c4] << 16);
     }
-    my_rows[i] = make_int4(v[0], v[1], v[2], v[3]);
+    my_rows[kRowsStride * i] = make_int4(v[0], v[1], v[2], v[3]);
   }
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) cnt += __shfl_xor_sync(0xFFFFFFFFu, cnt, d);
@@ -892,10 +900,10 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
   __shared__ int n_valid;
   __shared__ unsigned pushed;  // flag bits of the (level, block)s that pushed rows down
 
-  // shared memory: [entries' slot references, int, 16 a thread] [flag keys] [flag words]
+  // shared memory: [entries' slot references, int, 16 a thread (kRowsStride)] [flag keys] [flag words]
   //                [table keys, nslots + 1 rounded to 4] [member bits, a byte a slot + a spare, rounded to 16]
   const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
-  int4* my_rows = reinterpret_cast<int4*>(smem) + (kEpt / 4) * tid;
+  int4* my_rows = reinterpret_cast<int4*>(smem) + (kEpt / 4) * (tid - tid % kRowsStride) + tid % kRowsStride;
   unsigned* fkeys = reinterpret_cast<unsigned*>(smem + kEpt * 4 * nt);
   unsigned* fvals = fkeys + (1 << p.log_flags);
   unsigned* hkeys = fvals + (1 << p.log_flags);
@@ -932,6 +940,7 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
   const long long gbase = static_cast<long long>(g) * p.cap;
   write_columns(p, c, own, gbase, sg, fr, lvh, mk, lv, rows, c64);
   write_tiles(p, c, gbase, sg);
+  if (!p.iclip && tid % tpm == 0 && q < p.s_q) p.dropped[q] = 0;  // (nothing dropped; the buffer comes unset)
 }
 
 template <int G>
@@ -950,6 +959,62 @@ int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
   if (err != cudaSuccess) return static_cast<int>(err);
   kernel<<<p.n_groups, threads, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
+}
+
+// The attention kernel's launch order of a plan's programs: ids by descending tile count, equal counts by id
+// (torch.argsort(descending=True, stable=True) of the counts), so that long programs start first. One CTA:
+// a histogram of the counts by bin (bin max_tiles - count), its scan, then chunk by chunk the bins staged in
+// shared memory and one warp placing 32 ids at a time in id order; ids of one bin among a warp's 32 take
+// consecutive places in lane order (__match_any_sync), which keeps the sort stable.
+constexpr int kOrderThreads = 1024;
+constexpr int kOrderChunk = 8192;  // ids staged a chunk (their bins as 16-bit values)
+constexpr int kOrderMaxBins = 1 << 15;
+
+__global__ void __launch_bounds__(kOrderThreads, 1) order_kernel(const int* ntiles, int n, int max_tiles, int* order) {
+  extern __shared__ __align__(16) int bins[];  // max_tiles + 1 counters, then the chunk's bins
+  unsigned short* chunk = reinterpret_cast<unsigned short*>(bins + ((max_tiles + 1 + 3) & ~3));
+  const int nb = max_tiles + 1, tid = threadIdx.x, lane = tid & 31;
+  auto bin_of = [&](int i) { return max_tiles - min(max(ntiles[i], 0), max_tiles); };
+  for (int b = tid; b < nb; b += kOrderThreads) bins[b] = 0;
+  __syncthreads();
+  for (int i = tid; i < n; i += kOrderThreads) atomicAdd(bins + bin_of(i), 1);
+  __syncthreads();
+  if (tid < 32) {  // exclusive scan of the bins
+    int carry = 0;
+    for (int b0 = 0; b0 < nb; b0 += 32) {
+      const int b = b0 + lane, v = b < nb ? bins[b] : 0;
+      int x = v;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xFFFFFFFFu, x, d);
+        if (lane >= d) x += y;
+      }
+      if (b < nb) bins[b] = carry + x - v;
+      carry += __shfl_sync(0xFFFFFFFFu, x, 31);
+    }
+  }
+  for (int c0 = 0; c0 < n; c0 += kOrderChunk) {
+    const int m = min(kOrderChunk, n - c0);
+    for (int i = tid; i < m; i += kOrderThreads) chunk[i] = static_cast<unsigned short>(bin_of(c0 + i));
+    __syncthreads();
+    if (tid < 32) {
+      for (int i0 = 0; i0 < m; i0 += 32) {
+        const int i = i0 + lane;
+        const int b = i < m ? chunk[i] : nb;  // (nb: no id)
+        const unsigned peers = __match_any_sync(0xFFFFFFFFu, b);
+        const int leader = __ffs(peers) - 1, rank = __popc(peers & ((1u << lane) - 1u));
+        int base = 0;
+        if (lane == leader && b < nb) {
+          base = bins[b];
+          bins[b] = base + __popc(peers);
+        }
+        base = __shfl_sync(0xFFFFFFFFu, base, leader);
+        if (b < nb) order[base + rank] = c0 + i;
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+  }
 }
 
 // PlanParams' fields in order and their byte offsets (quilt_plan_params_layout)
@@ -981,6 +1046,18 @@ int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threa
     case 8: return launch<8>(*p, threads, smem, s);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
+}
+
+// order [n] of the ids 0..n-1 by descending ntiles [n] (each in 0..max_tiles), equal counts by id; no host sync
+int quilt_program_order_launch(const int* ntiles, int n, int max_tiles, int* order, void* stream) {
+  using namespace quilt_plan;
+  if (n < 0 || max_tiles < 0 || max_tiles + 1 > kOrderMaxBins) return static_cast<int>(cudaErrorInvalidValue);
+  if (n == 0) return 0;
+  const int smem = 4 * ((max_tiles + 1 + 3) & ~3) + 2 * kOrderChunk;
+  cudaError_t err = cudaFuncSetAttribute(order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  order_kernel<<<1, kOrderThreads, smem, static_cast<cudaStream_t>(stream)>>>(ntiles, n, max_tiles, order);
+  return static_cast<int>(cudaGetLastError());
 }
 
 int quilt_plan_params_size() { return static_cast<int>(sizeof(quilt_plan::PlanParams)); }

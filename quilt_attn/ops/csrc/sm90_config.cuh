@@ -70,7 +70,7 @@ struct Params {
   const float* sink;        // [h] natural-log units, or null
   const int* tile_kv;       // plan: [n_tiles_total, 64] kv rows, or packed words row | member bits << 24
   const int* tile_mask;     // plan: [n_tiles_total, 64] member bits; null: tile_kv is packed
-  const int* prog_tiles;    // plan: [n_progs, prog_cap] tile ids
+  const int* prog_tiles;    // plan: [n_progs, prog_cap] tile ids, or null: one program a group (tile pid * prog_cap + i)
   const int* prog_ntiles;   // plan: [n_progs]
   const int* prog_order;    // plan: [n_progs] launch order (CTA x runs program prog_order[x]), or null
   const int* indices;       // query-parallel: [s_q, topk] (stride stride_idx)
