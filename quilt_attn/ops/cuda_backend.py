@@ -311,7 +311,7 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
 
-PROGRAM_ORDER_MAX_TILES = (1 << 15) - 1  # the order kernel's bins (quilt_program_order_launch)
+PROGRAM_ORDER_MAX_TILES = 1535  # the order kernel's bins less one (kOrderMaxBins, quilt_program_order_launch)
 
 
 def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:

@@ -962,58 +962,76 @@ int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
 }
 
 // The attention kernel's launch order of a plan's programs: ids by descending tile count, equal counts by id
-// (torch.argsort(descending=True, stable=True) of the counts), so that long programs start first. One CTA:
-// a histogram of the counts by bin (bin max_tiles - count), its scan, then chunk by chunk the bins staged in
-// shared memory and one warp placing 32 ids at a time in id order; ids of one bin among a warp's 32 take
-// consecutive places in lane order (__match_any_sync), which keeps the sort stable.
-constexpr int kOrderThreads = 1024;
-constexpr int kOrderChunk = 8192;  // ids staged a chunk (their bins as 16-bit values)
-constexpr int kOrderMaxBins = 1 << 15;
+// (torch.argsort(descending=True, stable=True) of the counts), so that long programs start first. One CTA, a
+// counting sort by bin (max_tiles - count): warp w takes the w-th of 32 contiguous id ranges and counts its
+// ids by bin in its own row of a [32, bins] table; the rows are turned into each (range, bin)'s first place
+// (the bin's start plus the ranges before it); then every warp places its range's ids 32 at a time in id order,
+// ids of one bin among the 32 in lane order (__match_any_sync). So the sort is stable.
+constexpr int kOrderWarps = 32;
+constexpr int kOrderMaxBins = 1536;  // the table: 32 x 1536 ints, 192 KB
 
-__global__ void __launch_bounds__(kOrderThreads, 1) order_kernel(const int* ntiles, int n, int max_tiles, int* order) {
-  extern __shared__ __align__(16) int bins[];  // max_tiles + 1 counters, then the chunk's bins
-  unsigned short* chunk = reinterpret_cast<unsigned short*>(bins + ((max_tiles + 1 + 3) & ~3));
-  const int nb = max_tiles + 1, tid = threadIdx.x, lane = tid & 31;
+__global__ void __launch_bounds__(32 * kOrderWarps, 1) order_kernel(const int* ntiles, int n, int max_tiles,
+                                                                   int* order) {
+  extern __shared__ __align__(16) int cnt[];  // [kOrderWarps][nb], then the warps' totals (scan)
+  __shared__ int wtot[kOrderWarps];
+  const int nb = max_tiles + 1, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int per = (n + kOrderWarps - 1) / kOrderWarps, lo = min(n, w * per), hi = min(n, lo + per);
+  int* row = cnt + w * nb;
   auto bin_of = [&](int i) { return max_tiles - min(max(ntiles[i], 0), max_tiles); };
-  for (int b = tid; b < nb; b += kOrderThreads) bins[b] = 0;
+  for (int b = lane; b < nb; b += 32) row[b] = 0;
+  __syncwarp();
+  for (int i = lo + lane; i < hi; i += 32) atomicAdd(row + bin_of(i), 1);
   __syncthreads();
-  for (int i = tid; i < n; i += kOrderThreads) atomicAdd(bins + bin_of(i), 1);
-  __syncthreads();
-  if (tid < 32) {  // exclusive scan of the bins
-    int carry = 0;
-    for (int b0 = 0; b0 < nb; b0 += 32) {
-      const int b = b0 + lane, v = b < nb ? bins[b] : 0;
-      int x = v;
+  // each bin's first place: the bins before it (a block scan of the bins' totals), then the ranges before
+  // this one; thread t holds the bins t * k .. t * k + k - 1 (k = ceil(nb / 1024), at most 2)
+  constexpr int kMaxPer = (kOrderMaxBins + 32 * kOrderWarps - 1) / (32 * kOrderWarps);
+  const int k = (nb + 32 * kOrderWarps - 1) / (32 * kOrderWarps), b0 = tid * k;
+  int tot[kMaxPer], mine = 0;
 #pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int y = __shfl_up_sync(0xFFFFFFFFu, x, d);
-        if (lane >= d) x += y;
+  for (int j = 0; j < kMaxPer; ++j) {
+    tot[j] = 0;
+    if (j < k && b0 + j < nb) {
+      for (int r = 0; r < kOrderWarps; ++r) tot[j] += cnt[r * nb + b0 + j];
+    }
+    mine += tot[j];
+  }
+  int x = mine;  // inclusive scan over the block
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xFFFFFFFFu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) wtot[w] = x;
+  __syncthreads();
+  int before = 0;
+  for (int r = 0; r < w; ++r) before += wtot[r];
+  int start = before + x - mine;  // the first place of bin b0
+#pragma unroll
+  for (int j = 0; j < kMaxPer; ++j) {
+    if (j < k && b0 + j < nb) {
+      int at = start;
+      for (int r = 0; r < kOrderWarps; ++r) {
+        const int c = cnt[r * nb + b0 + j];
+        cnt[r * nb + b0 + j] = at;
+        at += c;
       }
-      if (b < nb) bins[b] = carry + x - v;
-      carry += __shfl_sync(0xFFFFFFFFu, x, 31);
+      start += tot[j];
     }
   }
-  for (int c0 = 0; c0 < n; c0 += kOrderChunk) {
-    const int m = min(kOrderChunk, n - c0);
-    for (int i = tid; i < m; i += kOrderThreads) chunk[i] = static_cast<unsigned short>(bin_of(c0 + i));
-    __syncthreads();
-    if (tid < 32) {
-      for (int i0 = 0; i0 < m; i0 += 32) {
-        const int i = i0 + lane;
-        const int b = i < m ? chunk[i] : nb;  // (nb: no id)
-        const unsigned peers = __match_any_sync(0xFFFFFFFFu, b);
-        const int leader = __ffs(peers) - 1, rank = __popc(peers & ((1u << lane) - 1u));
-        int base = 0;
-        if (lane == leader && b < nb) {
-          base = bins[b];
-          bins[b] = base + __popc(peers);
-        }
-        base = __shfl_sync(0xFFFFFFFFu, base, leader);
-        if (b < nb) order[base + rank] = c0 + i;
-        __syncwarp();
-      }
+  __syncthreads();
+  for (int i0 = lo; i0 < hi; i0 += 32) {
+    const int i = i0 + lane;
+    const int b = i < hi ? bin_of(i) : nb;  // (nb: no id)
+    const unsigned peers = __match_any_sync(0xFFFFFFFFu, b);
+    const int leader = __ffs(peers) - 1, rank = __popc(peers & ((1u << lane) - 1u));
+    int base = 0;
+    if (lane == leader && b < nb) {
+      base = row[b];
+      row[b] = base + __popc(peers);
     }
-    __syncthreads();
+    base = __shfl_sync(0xFFFFFFFFu, base, leader);
+    if (b < nb) order[base + rank] = i;
+    __syncwarp();
   }
 }
 
@@ -1053,10 +1071,10 @@ int quilt_program_order_launch(const int* ntiles, int n, int max_tiles, int* ord
   using namespace quilt_plan;
   if (n < 0 || max_tiles < 0 || max_tiles + 1 > kOrderMaxBins) return static_cast<int>(cudaErrorInvalidValue);
   if (n == 0) return 0;
-  const int smem = 4 * ((max_tiles + 1 + 3) & ~3) + 2 * kOrderChunk;
+  const int smem = 4 * kOrderWarps * (max_tiles + 1);
   cudaError_t err = cudaFuncSetAttribute(order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  order_kernel<<<1, kOrderThreads, smem, static_cast<cudaStream_t>(stream)>>>(ntiles, n, max_tiles, order);
+  order_kernel<<<1, 32 * kOrderWarps, smem, static_cast<cudaStream_t>(stream)>>>(ntiles, n, max_tiles, order);
   return static_cast<int>(cudaGetLastError());
 }
 
