@@ -940,7 +940,7 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
   const long long gbase = static_cast<long long>(g) * p.cap;
   write_columns(p, c, own, gbase, sg, fr, lvh, mk, lv, rows, c64);
   write_tiles(p, c, gbase, sg);
-  if (!p.iclip && tid % tpm == 0 && q < p.s_q) p.dropped[q] = 0;  // (nothing dropped; the buffer comes unset)
+  if (!p.iclip && j0 == 0 && q < p.s_q) p.dropped[q] = 0;  // (nothing dropped; the buffer comes unset)
 }
 
 template <int G>
