@@ -5,12 +5,17 @@ GLM-5.3-like, s_q 16384, h = 16 and 8, default arguments. Ten calls are profiled
 kernel's device time is averaged over them. The call's output is checked against the float32 reference on
 sampled queries first (``rel_err`` printed; exit 1 above 1e-2 or on a NaN).
 
-    python benchmarks/run.py call-breakdown [--out F.txt]
+With ``--timeline SHAPES`` (engine shapes, e.g. ``pool-4M,chunk-prefix``; bf16 pools) it prints instead, per shape
+and h, the GPU operations of one call in order (start, duration, gap before it) and the host's time a call:
+enqueueing 20 calls without waiting, and the same calls waited for.
+
+    python benchmarks/run.py call-breakdown [--out F.txt] [--timeline pool-4M,chunk-prefix]
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -38,13 +43,60 @@ def profile(call, calls: int = 10) -> tuple[dict, float, int]:
     return tot, span, len(ev) // calls
 
 
+def timeline(call) -> list[str]:
+    """The GPU operations of one ``call`` in launch order (the middle of three profiled calls) and the host's time."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    n = len(ev) // 3
+    ev = ev[n:2 * n]
+    t0 = prev = ev[0].time_range.start
+    lines = [f"  {n} GPU operations, span {ev[-1].time_range.end - t0:.1f} us"]
+    for e in ev:
+        lines.append(f"  start {e.time_range.start - t0:8.1f}  dur {e.device_time:8.1f}  gap {e.time_range.start - prev:6.1f}"
+                     f"  {e.name[:80]}")
+        prev = e.time_range.end
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        call()
+    enqueue = (time.perf_counter() - t) / 20
+    torch.cuda.synchronize()
+    waited = (time.perf_counter() - t) / 20
+    lines.append(f"  host: {enqueue * 1e3:.3f} ms a call to enqueue, {waited * 1e3:.3f} ms a call waited for")
+    return lines
+
+
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="a text file for the tables (optional)")
+    p.add_argument("--timeline", default=None, help="comma-separated engine shapes: each call's operations in order")
     a = p.parse_args(argv)
     env = environment()
     lines = [f"{env.get('gpu')}, commit {env.get('commit')}, {env.get('date')}, torch {env.get('versions', {}).get('torch')}"]
     worst = 0.0
+    for name in (a.timeline.split(",") if a.timeline else []):
+        shape = SHAPES[name]
+        idx = paged_indices(shape, "glm53-like", 2048, 0, "cuda")
+        s_q = idx.shape[0]
+        kv = torch.randn(shape.pool, 576, device="cuda", dtype=torch.bfloat16)
+        for h in (16, 8):
+            q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.bfloat16)
+            inputs = Inputs(Case("glm53-like", h, kv="bf16", s_q=s_q, s_kv=shape.pool), idx, [(q, kv)])
+            chk = check(inputs, *quilt_attn.sparse_prefill(q, kv, idx), n_check=128)
+            worst = float("inf") if chk["nan"] else max(worst, chk["rel_err"])
+            lines.append(f"== {name} (bf16, s_q {s_q}, pool {shape.pool}) h {h}: rel_err {chk['rel_err']:.1e}")
+            lines += timeline(lambda: quilt_attn.sparse_prefill(q, kv, idx))
+        kv = None
+        torch.cuda.empty_cache()
+    if a.timeline:
+        return _finish(lines, a.out, worst)
     for kind in ("bf16", "fp8"):
         for h in (16, 8):
             if kind == "bf16":
@@ -68,10 +120,14 @@ def main(argv=None, prog=None) -> int:
             lines.append(f"  span {span:.1f} us a call; kernels busy {sum(tot.values()):.1f}")
             kv = inputs = None  # (the 4M-row pool freed before the next case's)
             torch.cuda.empty_cache()
+    return _finish(lines, a.out, worst)
+
+
+def _finish(lines, out, worst) -> int:
     text = "\n".join(lines)
     print(text)
-    if a.out:
-        with open(a.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
     return 0 if worst < 1e-2 else 1
 
