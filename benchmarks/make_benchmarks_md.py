@@ -27,7 +27,8 @@ DEFAULTS = dict(
     plan_overlap=RESULTS / "h200_plan_overlap_cuda_v11.json",
     plan_beside=RESULTS / "h200_plan_reserved_sms_v11.json",
     clip=RESULTS / "clip_accuracy_cpu.json",
-    engine=RESULTS / "h200_engine_shapes.json",  # used when present
+    # newest first; the first is the current code's run, the others earlier runs (the last one beside FlashMLA)
+    engine=[RESULTS / "h200_engine_shapes_1cafc39.json", RESULTS / "h200_engine_shapes.json"],
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
     fp8_cache=[RESULTS / "h200_fp8_cache_dc8143f.json"],
     repair=RESULTS / "h200_repair_cost_00482d8.json",
@@ -40,7 +41,8 @@ UNMEASURED_CHANGES = [
     "byte per kv row), and the Triton planner's a hash table per program (it was s_kv int32 per program);",
     "plan columns are packed (`row | member bits << 24`, one int32 per column) while the kv pool has fewer than "
     "2^24 rows;",
-    "`lse` and `max_logits` are natural-log at the public boundary (two element-wise launches per call);",
+    "`lse` and `max_logits` are natural-log at the public boundary (one element-wise launch per call; measured in "
+    "the engine-shape section);",
     "`quilt_attn.dispatch` decides what runs from the settings alone, with no host sync (the plan's tile counts "
     "are no longer read back by default);",
     "the Triton kernel masks its kv loads of padding and invalid columns (they read row 0 before);",
@@ -57,6 +59,9 @@ UNMEASURED_CHANGES = [
     "check otherwise; the FP8-cache section's bf16-kernel rows ran with it);",
     "a QUILT call queues the queries whose output holds a NaN and runs the repair pass over them (measured in "
     "the repair-pass and FP8-cache sections; the grid and engine-shape rows predate it);",
+    "a call launches 7 GPU operations where it launched 17: the planner's rows area in warp pieces, the launch "
+    "order by one small kernel, no work list for one program a group, `valid_pairs` summed when read (measured "
+    "in the engine-shape section; the grid predates them);",
     "the FP8 compaction widens only the rows a call references, keeps a byte a pool row in its mark pass (read "
     "before stored, programs in bit-reversed order), and a plan keeps the numbering of its rows (all measured in "
     "the FP8-cache section).",
@@ -311,7 +316,26 @@ def _planning(grid_rows, overlap, beside, root, paths) -> list[str]:
     return lines
 
 
-def _engine(doc, path, root) -> list[str]:
+def _engine_table(doc) -> list[str]:
+    lines = ["| case | h | kernel ms | call ms | call / kernel | plan ms | FlashMLA ms | FlashMLA / call | "
+             "extra MiB | rel_err |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {}
+    for r in doc["rows"]:
+        by.setdefault((r.get("shape"), r.get("h")), {})[r.get("method")] = r
+    for (shape, h), m in by.items():
+        c, k, f = m.get("call", {}), m.get("kernel", {}), m.get("flashmla") or {}
+        num = _num
+        lines.append(f"| {shape} | {h} | {num(k.get('ms'))} | {num(c.get('ms'))} | {num(c.get('call_over_kernel'))} | "
+                     f"{num(c.get('plan_ms'))} | {num(f.get('ms'))} | "
+                     f"{num(c.get('flashmla_over_call'), '{:.2f}')} | {num(c.get('extra_mib'), '{:.0f}')} | "
+                     f"{num(c.get('rel_err'), '{:.1e}')} |")
+    return lines
+
+
+def _engine(docs, paths, root) -> list[str]:
+    """The engine-shape section: ``docs`` newest first (the first: the current code's run; the others earlier
+    runs, e.g. the last one beside FlashMLA), ``paths`` their files."""
+    doc, path = (docs[0], paths[0]) if docs else (None, None)
     lines = [
         "## Engine shapes",
         "",
@@ -336,20 +360,14 @@ def _engine(doc, path, root) -> list[str]:
               "beforehand; `call`: `sparse_prefill(q, kv, indices)` with default arguments, planning inside; "
               "`plan`: `quilt_attn.plan` alone; FlashMLA at 64 heads, as engines pad; `extra MiB`: the call's peak "
               "device memory above its inputs and outputs; `rel_err`: the call's out against the float32 "
-              "reference. Two index / q / kv sets alternate between timed calls.", "",
-              "| case | h | kernel ms | call ms | call / kernel | plan ms | FlashMLA ms | FlashMLA / call | "
-              "extra MiB | rel_err |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    by = {}
-    for r in doc["rows"]:
-        by.setdefault((r.get("shape"), r.get("h")), {})[r.get("method")] = r
-    for (shape, h), m in by.items():
-        c, k, f = m.get("call", {}), m.get("kernel", {}), m.get("flashmla") or {}
-        num = _num
-        lines.append(f"| {shape} | {h} | {num(k.get('ms'))} | {num(c.get('ms'))} | {num(c.get('call_over_kernel'))} | "
-                     f"{num(c.get('plan_ms'))} | {num(f.get('ms'))} | "
-                     f"{num(c.get('flashmla_over_call'), '{:.2f}')} | {num(c.get('extra_mib'), '{:.0f}')} | "
-                     f"{num(c.get('rel_err'), '{:.1e}')} |")
-    return lines + [""]
+              "reference. Two index / q / kv sets alternate between timed calls"
+              + ("." if any(r.get("method") == "flashmla" for r in doc["rows"]) else
+                 "; FlashMLA was not timed in this run (\"-\"): the earlier run below ran beside it."), "",
+              *_engine_table(doc), ""]
+    for d, p in zip(docs[1:], paths[1:]):
+        lines += [f"Earlier run ({_header_lines(d, p, root)}), the code before the changes of the run above "
+                  "(`docs/design-log.md`), beside FlashMLA on the same board:", "", *_engine_table(d), ""]
+    return lines
 
 
 def _targets(rows, repeat_rows, fm_docs, overlap, beside, clip) -> list[str]:
@@ -677,7 +695,8 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     plan_overlap, plan_beside : plan + attention runs (rows named attn / plan / serial / pipe/N; rows with
         ``both_over_full_attn``).
     clip : the CPU importance-clipping study (``quilt-bench report``).
-    engine : the engine-shape run (``benchmarks/run.py engine-shapes``); a missing file says it has not run.
+    engine : the engine-shape run or runs, newest first (``benchmarks/run.py engine-shapes``; a path or a list); none
+        found says it has not run.
     fp8_mode : the FP8 mode's accuracy emulation (``benchmarks/fp8_accuracy.py``); missing: no section.
     fp8_cache : the FP8-cache run or runs (``benchmarks/run.py fp8-cache``; a path or a list); missing: no section.
     repair : the repair-pass cost run (``benchmarks/run.py repair-cost``); missing: no section.
@@ -692,7 +711,9 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
     rows = [r for r in gdoc["rows"] if "ms" in r]
     rep_docs = [d for d in (_load(p) for p in repeats) if d]
     fm_docs = [d for d in (_load(p) for p in flashmla) if d]
-    ov, bs, cl, en, f8 = _load(plan_overlap), _load(plan_beside), _load(clip), _load(engine), _load(fp8_mode)
+    ov, bs, cl, f8 = _load(plan_overlap), _load(plan_beside), _load(clip), _load(fp8_mode)
+    en_paths = [] if engine is None else ([engine] if isinstance(engine, (str, Path)) else list(engine))
+    en_loaded = [(d, x) for d, x in ((_load(x), x) for x in en_paths) if d]
     fp8_paths = [] if fp8_cache is None else ([fp8_cache] if isinstance(fp8_cache, (str, Path)) else list(fp8_cache))
     fc, rp = [_load(x) for x in fp8_paths], _load(repair)
     png = Path(png) if png is not None else grid.with_suffix(".png")
@@ -717,7 +738,7 @@ def write_benchmarks_md(grid, *, repeats=(), flashmla=(), plan_overlap=None, pla
         *_flashmla(fm_docs),
         *_planning(rows + [r for d in rep_docs for r in d["rows"] if "ms" in r], ov, bs, root,
                    (plan_overlap, plan_beside)),
-        *_engine(en, engine, root),
+        *_engine([d for d, _ in en_loaded], [x for _, x in en_loaded], root),
         *_fp8_cache(fc, fp8_paths, root),
         *_repair(rp, repair, root),
         *_fp8_mode(f8, fp8_mode, root),
@@ -745,7 +766,7 @@ def main(argv=None) -> None:
     p.add_argument("--plan-overlap", default=str(DEFAULTS["plan_overlap"]))
     p.add_argument("--plan-beside", default=str(DEFAULTS["plan_beside"]))
     p.add_argument("--clip", default=str(DEFAULTS["clip"]))
-    p.add_argument("--engine", default=str(DEFAULTS["engine"]))
+    p.add_argument("--engine", action="append", default=None, help="an engine-shape run, newest first (repeatable)")
     p.add_argument("--fp8-mode", default=str(DEFAULTS["fp8_mode"]))
     p.add_argument("--fp8-cache", action="append", default=None, help="an FP8-cache run (repeatable)")
     p.add_argument("--repair", default=str(DEFAULTS["repair"]))
@@ -755,7 +776,8 @@ def main(argv=None) -> None:
     path = write_benchmarks_md(
         a.grid, repeats=a.repeat if a.repeat is not None else DEFAULTS["repeats"],
         flashmla=a.flashmla if a.flashmla is not None else DEFAULTS["flashmla"], plan_overlap=a.plan_overlap,
-        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine, fp8_mode=a.fp8_mode,
+        plan_beside=a.plan_beside, clip=a.clip, engine=a.engine if a.engine is not None else DEFAULTS["engine"],
+        fp8_mode=a.fp8_mode,
         fp8_cache=a.fp8_cache if a.fp8_cache is not None else DEFAULTS["fp8_cache"],
         repair=a.repair, target=a.out,
         plot=not a.no_plot)

@@ -312,3 +312,37 @@ def test_gpu_cost_rule_with_a_given_plan_reads_once():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_matches_reference(got, sparse_prefill_reference(q, kv, idx), BF16)
+
+
+@pytest.mark.parametrize("layout", ["halves", "separate", "reversed halves", "strided"])
+def test_natural_log_stats_converts_both_whatever_their_buffer(layout):
+    """``max_logits`` and ``lse`` times ln 2 in place, -inf / +inf kept: in one launch when they are the two halves
+    of one buffer in that order (``alloc_outputs``), else each by itself; nothing else in their buffer changes."""
+    import math
+
+    from quilt_attn.ops.sparse_attention import alloc_outputs
+
+    g = torch.Generator().manual_seed(5)
+    want_m, want_l = torch.randn(7, 3, generator=g), torch.randn(7, 3, generator=g)
+    want_m[2, 1], want_l[2, 1] = -math.inf, math.inf
+    outer = torch.full((3, 7, 3), 9.0)  # the buffer around them in the last two layouts
+    if layout == "halves":
+        _, m, l = alloc_outputs(torch.empty(7, 3, 576), 512)
+        assert l.data_ptr() == m.data_ptr() + m.numel() * 4
+    elif layout == "separate":
+        m, l = torch.empty(7, 3), torch.empty(7, 3)
+    elif layout == "reversed halves":  # adjacent, but lse first: not the one-launch form
+        l, m = outer[0], outer[1]
+    else:  # every other element of a buffer: not contiguous
+        m, l = outer.view(-1)[0:42:2].view(7, 3), outer.view(-1)[1:42:2].view(7, 3)
+    m.copy_(want_m)
+    l.copy_(want_l)
+    rest = outer.clone()
+    got = dispatch.natural_log_stats(m, l)
+    assert got[0] is m and got[1] is l
+    assert torch.equal(m, want_m * dispatch.LN2) and torch.equal(l, want_l * dispatch.LN2)
+    if layout in ("reversed halves", "strided"):
+        mine = torch.zeros(outer.numel(), dtype=torch.bool)
+        for t in (m, l):
+            mine[t.storage_offset() + t.stride(0) * torch.arange(7)[:, None] + t.stride(1) * torch.arange(3)] = True
+        assert torch.equal(outer.view(-1)[~mine], rest.view(-1)[~mine])
