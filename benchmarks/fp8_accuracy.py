@@ -17,6 +17,10 @@ Statistics of q / kv (bf16):
   have std ~1 (outlier products would otherwise make every row one-hot);
 * ``aligned``: ``indexer_aligned_inputs`` (logits follow the indexer score, ~10-20 effective rows a query).
 
+``--kernel``: each case also in the shipped kernel's arithmetic (``sparse_prefill_fp8_kernel_reference``: q one e4m3
+term a (query, head) with a power-of-two scale, a row's latent in one scale, P one scale a row; rows labelled
+``kernel``), the arithmetic the GPU kernel is tested against.
+
 ``--layer``: the DSA layer proxy (``quilt_bench.layer``, random weights, DeepSeek-V3.2 dims at ``--heads``
 heads): its absorbed q and latent kv (prefix from its random cache), glm53-like indices injected as
 ``layer_proxy`` does, the attention exact and in the FP8 mode, then its value and output projections
@@ -41,7 +45,8 @@ import torch
 
 from quilt_attn import quantize_fp8, sparse_prefill_reference
 from quilt_attn.cli_args import pos_int
-from quilt_attn.fp8_mode import P_GRANULARITIES, Q_GRANULARITIES, sparse_prefill_fp8_reference
+from quilt_attn.fp8_mode import (P_GRANULARITIES, Q_GRANULARITIES, sparse_prefill_fp8_kernel_reference,
+                                 sparse_prefill_fp8_reference)
 from quilt_attn.workloads import generate, indexer_aligned_inputs
 
 REL_L2_BOUND = 3e-2  # issue 19
@@ -95,8 +100,20 @@ def compare(got, ref) -> dict:
             "infinities_match": same_inf, "meets_bounds": bool(rel <= REL_L2_BOUND and dlse <= LSE_BOUND and same_inf)}
 
 
+KERNEL = ("kernel", "kernel", None)  # the shipped kernel's arithmetic, as a configuration (--kernel)
+
+
 def configs(args):
-    return list(itertools.product(args.q_granularity, args.p_granularity, args.acc_bits))
+    return list(itertools.product(args.q_granularity, args.p_granularity, args.acc_bits)) + \
+        ([KERNEL] if getattr(args, "kernel", False) else [])
+
+
+def fp8_mode(q, cache, indices, sm_scale, qg, pg, bits, **kw):
+    """The FP8 mode's emulation in configuration ``(qg, pg, bits)``; ``KERNEL``: the shipped kernel's arithmetic."""
+    if (qg, pg, bits) == KERNEL:
+        return sparse_prefill_fp8_kernel_reference(q, cache, indices, sm_scale, **kw)
+    return sparse_prefill_fp8_reference(q, cache, indices, sm_scale, q_granularity=qg, p_granularity=pg,
+                                        acc_mantissa_bits=bits, **kw)
 
 
 def run_case(name: str, stats: str, q, kv, indices, sm_scale, args, info=None, log=print) -> list[dict]:
@@ -107,8 +124,7 @@ def run_case(name: str, stats: str, q, kv, indices, sm_scale, args, info=None, l
     rows = []
     for qg, pg, bits in configs(args):
         t0 = time.perf_counter()
-        got = sparse_prefill_fp8_reference(q, cache, indices, sm_scale, q_granularity=qg, p_granularity=pg,
-                                           acc_mantissa_bits=bits)
+        got = fp8_mode(q, cache, indices, sm_scale, qg, pg, bits)
         row = {"case": name, "stats": stats, "q_granularity": qg, "p_granularity": pg, "acc_mantissa_bits": bits,
                "s_q": q.shape[0], "h": q.shape[1], "s_kv": kv.shape[0], "topk": indices.shape[1],
                "sm_scale": sm_scale, **compare(got, ref), "cpu_s": round(time.perf_counter() - t0, 2), **(info or {})}
@@ -145,8 +161,7 @@ def layer_rows(args, log=print) -> list[dict]:
         y_ref = project(ref[0]).double()
         rows = []
         for qg, pg, bits in configs(args):
-            got = sparse_prefill_fp8_reference(q, cache, indices, cfg.sm_scale, q_granularity=qg, p_granularity=pg,
-                                               acc_mantissa_bits=bits)
+            got = fp8_mode(q, cache, indices, cfg.sm_scale, qg, pg, bits)
             y = project(got[0]).double()
             row = {"case": "layer-proxy", "stats": f"dsa-layer ({ALIGNED} indices)", "q_granularity": qg,
                    "p_granularity": pg, "acc_mantissa_bits": bits, "s_q": s_q, "h": cfg.n_heads, "s_kv": s_kv,
@@ -195,6 +210,7 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--p-granularity", nargs="+", default=list(P_GRANULARITIES), choices=P_GRANULARITIES)
     ap.add_argument("--acc-bits", nargs="+", type=_bits, default=[None, 13],
                     help="accumulator mantissa bits of the FP8 block sums: none (float32) or 1..23")
+    ap.add_argument("--kernel", action="store_true", help="also the shipped kernel's arithmetic (rows 'kernel')")
     ap.add_argument("--quiet", action="store_true", help="print the table only")
     ap.add_argument("--out", default=None, help="JSON file for the rows (with commit and versions)")
     args = ap.parse_args(argv)

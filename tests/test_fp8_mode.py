@@ -355,11 +355,12 @@ def test_fp8_accuracy_benchmark_smoke(tmp_path, capsys):
     spec.loader.exec_module(run)
     out = tmp_path / "fp8.json"
     argv = ["fp8-accuracy", "--s-q", "4", "--s-kv", "512", "--topk", "64", "--heads", "2", "--workloads", "random",
-            "--stats", "gauss", "outlier", "--no-layer", "--acc-bits", "none", "--quiet", "--out", str(out)]
+            "--stats", "gauss", "outlier", "--no-layer", "--acc-bits", "none", "--kernel", "--quiet", "--out", str(out)]
     assert run.main(argv) == 0
     table = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 3 * 4 * 2  # (2 stats + aligned) x 4 q granularities x 2 P granularities
+    assert len(rows) == 3 * (4 * 2 + 1)  # (2 stats + aligned) x (4 q x 2 P granularities, and the kernel's)
+    assert sum(r["q_granularity"] == "kernel" for r in rows) == 3
     assert sum(line.startswith("|") for line in table.splitlines()) == len(rows) + 2  # header, separator, rows
     for r in rows:
         assert 0 < r["rel_l2"] < 0.2 and r["infinities_match"] and 0.9 < r["min_cos"] <= 1.0
