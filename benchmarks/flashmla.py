@@ -4,6 +4,16 @@ The library is ``benchmarks/flashmla_shim.cu`` (a C entry point filling FlashMLA
 ``SparseAttnFwdParams``) compiled together with a FlashMLA source tree and CUTLASS headers the user provides.
 Nothing of FlashMLA is part of this repository.
 
+A build that works (nvcc 13.0, no GPU needed; FlashMLA's sm90 sparse prefill and the CUTLASS commit its
+submodule pins, headers only; about 30 s)::
+
+    nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++20 -DNDEBUG -DFLASH_MLA_DISABLE_FP16 \
+        --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math -shared -Xcompiler -fPIC \
+        -I FLASHMLA/csrc -I FLASHMLA/csrc/kerutils/include -I FLASHMLA/csrc/sm90 \
+        -I CUTLASS/include -I CUTLASS/tools/util/include benchmarks/flashmla_shim.cu \
+        FLASHMLA/csrc/sm90/prefill/sparse/instantiations/phase1_k576.cu \
+        FLASHMLA/csrc/sm90/prefill/sparse/instantiations/phase1_k576_topklen.cu -o flashmla_sm90.so
+
 FlashMLA runs 64 or 128 heads: below 64 an engine pads the query to 64 heads, and so do these benchmarks
 (the padding heads are random, not zeros, so they cost what real heads cost). Its ``lse`` and
 ``max_logits`` are natural-log (``logsumexp(q.k * sm_scale)``), as this package's public results.
