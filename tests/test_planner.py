@@ -571,6 +571,9 @@ def test_program_order_is_a_longest_first_permutation(G, qp):
         if int(ntiles[a]) == int(ntiles[b]):
             assert a < b
     assert p.program_order(qp) is order  # cached
+    for bad in (0, 3, -2):
+        with pytest.raises(ValueError, match="power of two"):
+            p.program_order(bad)
 
 
 # ----------------------------------------------------------------------------- arguments and edge cases

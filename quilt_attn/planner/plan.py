@@ -207,8 +207,7 @@ class Plan:
         tile of its group whose block meets its queries (shared rows are then re-read by the
         sibling programs, from L2). Cached per width; no host sync.
         """
-        if queries_per_program < 1 or queries_per_program & (queries_per_program - 1):
-            raise ValueError(f"queries_per_program must be a power of two >= 1, got {queries_per_program}")
+        _check_program_width(queries_per_program)
         qp = min(queries_per_program, self.group_size)
         if qp not in self._work:
             self.wait()
@@ -236,7 +235,10 @@ class Plan:
         """
         key = ("order", min(queries_per_program, self.group_size))
         if key not in self._work:
-            _, ntiles = self.work_list(queries_per_program)
+            # (one program a group: its tile count is the group's, no work list needed)
+            _check_program_width(queries_per_program)
+            ntiles = self.wait().group_tiles if queries_per_program >= self.group_size else \
+                self.work_list(queries_per_program)[1]
             self._work[key] = torch.argsort(ntiles, descending=True, stable=True).to(torch.int32)
         return self._work[key]
 
@@ -252,6 +254,11 @@ class Plan:
         if key not in self._work:
             self._work[key] = make()
         return self._work[key]
+
+
+def _check_program_width(queries_per_program) -> None:
+    if queries_per_program < 1 or queries_per_program & (queries_per_program - 1):
+        raise ValueError(f"queries_per_program must be a power of two >= 1, got {queries_per_program}")
 
 
 def _plan_torch(idx, valid, masks, ids, G, M, T, thr, importance_clip, split_private, buf):
