@@ -233,10 +233,10 @@ class Plan:
         Launched in this order, the long programs start first and the last wave holds short ones, so
         less of the GPU idles at the end. Cached per width; no host sync.
         """
+        _check_program_width(queries_per_program)
         key = ("order", min(queries_per_program, self.group_size))
         if key not in self._work:
             # (one program a group: its tile count is the group's, no work list needed)
-            _check_program_width(queries_per_program)
             ntiles = self.wait().group_tiles if queries_per_program >= self.group_size else \
                 self.work_list(queries_per_program)[1]
             self._work[key] = torch.argsort(ntiles, descending=True, stable=True).to(torch.int32)
