@@ -187,14 +187,7 @@ struct Today {
         fence_regs(o);
         qs::bar_sync<qs::kBarMax1>();
         float f[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float mb = red[r0 + 8 * i];
-          f[i] = exp2f(m[i] - mb);
-          m[i] = mb;
-          l[i] *= f[i];
-        }
-        const bool same = qs::warp_unchanged(f);
+        const bool same = qs::adopt_max(m, l, f, red, r0);
         if (!same) {
           qs::pack_p<T>(pk, s, f);
           qs::store_p(smem, kOffP0, pk, r0, lane);
