@@ -563,6 +563,7 @@ def test_program_order_is_a_longest_first_permutation(G, qp):
     idx, s_kv = workload("correlated", 45, 64, 21, seed=G + qp)
     p = plan(add_invalid(idx, s_kv, 0.05, seed=2), s_kv=s_kv, group_size=G, tile=4)
     _, ntiles = p.work_list(qp)
+    assert torch.equal(p.program_counts(qp), ntiles)
     order = p.program_order(qp)
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(ntiles.shape[0]))
     runs = ntiles[order.long()].tolist()

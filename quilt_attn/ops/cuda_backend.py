@@ -315,12 +315,14 @@ PROGRAM_ORDER_MAX_TILES = 1535  # the order kernel's bins less one (kOrderMaxBin
 
 
 def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
-    """``torch.argsort(ntiles, descending=True, stable=True)`` as int32, by one small kernel (a counting sort:
-    one launch where torch's sort takes several and ~20 us) for contiguous int32 counts in ``0..max_tiles`` on
-    the GPU; torch's sort otherwise. No host sync."""
+    """``torch.argsort(ntiles, descending=True, stable=True)`` as int32 by one small kernel (a counting sort: one
+    launch where torch's sort takes several and ~20 us), for contiguous int32 ``ntiles [n]`` on the GPU, each
+    in ``0..max_tiles`` (at most ``PROGRAM_ORDER_MAX_TILES``). No host sync."""
     if (not ntiles.is_cuda or ntiles.dtype != torch.int32 or not ntiles.is_contiguous() or ntiles.dim() != 1
             or not 0 <= max_tiles <= PROGRAM_ORDER_MAX_TILES):
-        return torch.argsort(ntiles, descending=True, stable=True).to(torch.int32)
+        raise ValueError(f"the order kernel sorts contiguous int32 [n] counts on a GPU in 0..max_tiles <= "
+                         f"{PROGRAM_ORDER_MAX_TILES}; got {ntiles.dtype} {tuple(ntiles.shape)} on {ntiles.device}, "
+                         f"max_tiles {max_tiles}")
     order = torch.empty_like(ntiles)
     lib = _library()
     stream = torch.cuda.current_stream(ntiles.device).cuda_stream
@@ -333,15 +335,12 @@ def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
 def plan_programs(plan, qp: int):
     """``(prog_tiles, prog_ntiles, order)`` of ``plan``'s programs of ``qp`` queries for the kernel: with one
     program a group (``qp >= group_size``) no tile list (None: the kernel reads tile ``i`` of program ``g`` at
-    slot ``g * cap + i``) and the group's tile counts; else ``plan.work_list(qp)``. ``order``: longest programs
-    first (``Plan.program_order``'s ids, by ``program_order``), kept with the plan."""
-    if qp >= plan.group_size:
-        tiles, ntiles = None, plan.wait().group_tiles
-    else:
-        tiles, ntiles = plan.work_list(qp)
-    order = plan.cached(("cuda_backend.program_order", min(qp, plan.group_size)),
-                        lambda: program_order(ntiles, plan.capacity))
-    return tiles, ntiles, order
+    slot ``g * cap + i``), else ``plan.work_list(qp)``'s; ``plan.program_counts(qp)``; ``plan.program_order(qp)``,
+    by the order kernel where the plan's capacity fits it."""
+    tiles = None if qp >= plan.group_size else plan.work_list(qp)[0]
+    sort = (lambda counts: program_order(counts, plan.capacity)) if plan.capacity <= PROGRAM_ORDER_MAX_TILES \
+        else None
+    return tiles, plan.program_counts(qp), plan.program_order(qp, sort=sort)
 
 
 def work_items(h: int, s_q: int, plan=None) -> int:

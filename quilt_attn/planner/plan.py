@@ -227,19 +227,28 @@ class Plan:
                 self._work[qp] = (out[:, :cap].contiguous(), inc.sum(1, dtype=torch.int32))
         return self._work[qp]
 
-    def program_order(self, queries_per_program: int) -> torch.Tensor:
-        """Program ids of ``work_list(queries_per_program)`` by descending tile count (int32 [n_progs]).
+    def program_counts(self, queries_per_program: int) -> torch.Tensor:
+        """Tiles of each program of ``work_list(queries_per_program)`` (int32 [n_progs]): with one program a
+        group, the group's own counts (``group_tiles``; no work list is built). No host sync."""
+        _check_program_width(queries_per_program)
+        if queries_per_program >= self.group_size:
+            return self.wait().group_tiles
+        return self.work_list(queries_per_program)[1]
+
+    def program_order(self, queries_per_program: int, sort=None) -> torch.Tensor:
+        """Program ids of ``work_list(queries_per_program)`` by descending tile count, equal counts by id
+        (int32 [n_progs]).
 
         Launched in this order, the long programs start first and the last wave holds short ones, so
-        less of the GPU idles at the end. Cached per width; no host sync.
+        less of the GPU idles at the end. ``sort``: a function of ``program_counts`` giving that order (the
+        CUDA backend's one-launch kernel); None: torch's stable sort. Cached per width; no host sync.
         """
         _check_program_width(queries_per_program)
         key = ("order", min(queries_per_program, self.group_size))
         if key not in self._work:
-            # (one program a group: its tile count is the group's, no work list needed)
-            ntiles = self.wait().group_tiles if queries_per_program >= self.group_size else \
-                self.work_list(queries_per_program)[1]
-            self._work[key] = torch.argsort(ntiles, descending=True, stable=True).to(torch.int32)
+            counts = self.program_counts(queries_per_program)
+            self._work[key] = sort(counts) if sort is not None else \
+                torch.argsort(counts, descending=True, stable=True).to(torch.int32)
         return self._work[key]
 
     def cached(self, key: tuple, make):
