@@ -972,8 +972,8 @@ constexpr int kOrderMaxBins = 1536;  // the table: 32 x 1536 ints, 192 KB
 
 __global__ void __launch_bounds__(32 * kOrderWarps, 1) order_kernel(const int* ntiles, int n, int max_tiles,
                                                                    int* order) {
-  extern __shared__ __align__(16) int cnt[];  // [kOrderWarps][nb], then the warps' totals (scan)
-  __shared__ int wtot[kOrderWarps];
+  extern __shared__ __align__(16) int cnt[];  // [kOrderWarps][nb]: counts by range and bin, then first places
+  __shared__ int wtot[kOrderWarps];           // the block scan's warp totals
   const int nb = max_tiles + 1, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int per = (n + kOrderWarps - 1) / kOrderWarps, lo = min(n, w * per), hi = min(n, lo + per);
   int* row = cnt + w * nb;

@@ -45,7 +45,7 @@ __device__ __forceinline__ void load_tile_ids(const Params& p, const Program& pr
 #pragma unroll
   for (int buf = 0; buf < 2; ++buf) {
     const int it = 2 * b + buf;
-    // (no list: one program a group, whose tile it is slot it of the group's tiles)
+    // (no list: one program a group, so its tile it is the group's slot it)
     const long long at = static_cast<long long>(pr.pid) * p.prog_cap + it;
     tile[buf] = p.from_plan && it < pr.n_tiles ? (p.prog_tiles != nullptr ? p.prog_tiles[at] : static_cast<int>(at)) : -1;
   }
