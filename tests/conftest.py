@@ -216,8 +216,8 @@ def nan_poison(monkeypatch):
 def cuda_stand_in(monkeypatch):
     """Run the CUDA backend's dispatch on the CPU: its kernel is replaced by the Triton pass it mirrors
     (same arguments, outputs written in place) and ``dispatch.choose_backend`` resolves to ``"cuda"`` (a CPU tensor
-    cannot pass its device check). Returns the list of the plans the stand-in ran (None: query programs).
-    ``cuda_backend.TILE`` becomes 16, the tile of the CPU tests."""
+    cannot pass its device check). Returns the list of the plans the stand-in ran (None: query programs), the
+    repair pass (``queue``) not among them. ``cuda_backend.TILE`` becomes 16, the tile of the CPU tests."""
     from quilt_attn import dispatch
     from quilt_attn.ops import cuda_backend
     from quilt_attn.ops.sparse_attention import _launch
@@ -225,9 +225,14 @@ def cuda_stand_in(monkeypatch):
     seen = []
 
     def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-                 attn_sink=None, partial=False, repair=None):
+                 attn_sink=None, partial=False, repair=None, queue=None):
         assert kv.dim() == 2 and (kv.dtype == q.dtype or (kv.dtype == torch.uint8 and cuda_backend.FP8_IN_KERNEL)), \
             "the CUDA kernel reads dense kv of q's dtype (or, widened in the kernel, the FP8 cache)"
+        if queue is not None:  # the repair pass: the queued queries over their own rows
+            assert plan is None and repair is None and not partial
+            _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
+                    attn_sink=attn_sink, repair=queue, repair_pass=True)
+            return
         seen.append(plan)
         _launch(q, kv, sm_scale, out.shape[-1], out, max_logits, lse, indices=indices, topk_length=topk_length,
                 plan=plan, attn_sink=None if partial else attn_sink, partial=partial, repair=repair)

@@ -519,6 +519,41 @@ def test_cuda_nonfinite_row_reaches_only_its_queries(h, kind, monkeypatch, nan_p
 
 @gpu
 @on_hopper
+@pytest.mark.parametrize("h", [8, 16, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_repair_pass_runs_exactly_the_queued_queries(h, fp8):
+    """The CUDA repair pass (``launch(queue=...)``) reads the queue's count on the device and writes the queued
+    queries only, each over its own rows (the reference's values); every other row keeps what it held (NaN
+    here), and an empty queue writes nothing."""
+    from quilt_attn import quantize_fp8
+    from quilt_attn.ops.sparse_attention import repair_buffer
+
+    q, kv, idx = _inputs(h, s_q=96, topk=512)
+    if fp8:
+        kv = quantize_fp8(kv)
+    lengths = torch.randint(0, 513, (96,), device="cuda", dtype=torch.int32,
+                            generator=torch.Generator(device="cuda").manual_seed(h))
+    sink = randn(h, seed=h, dtype=torch.float32, device="cuda")
+    want = sparse_prefill_reference(q, kv, idx, topk_length=lengths, attn_sink=sink)
+    chosen = [0, 95, 7, 41, 8]  # (any order: a pass queues them as they come)
+    for queued in ([], chosen):
+        queue = repair_buffer(96, torch.device("cuda"))
+        queue[0] = len(queued)
+        queue[1 + 96:1 + 96 + len(queued)] = torch.tensor(queued, dtype=torch.int32, device="cuda")
+        out = torch.full((96, h, 512), float("nan"), dtype=BF16, device="cuda")
+        ml, lse = (torch.full((96, h), float("nan"), device="cuda") for _ in range(2))
+        cuda_backend.launch(q, kv, 576**-0.5, out, ml, lse, indices=idx, topk_length=lengths, attn_sink=sink,
+                            queue=queue)
+        rest = torch.ones(96, dtype=torch.bool, device="cuda")
+        rest[queued] = False
+        assert out[rest].isnan().all() and ml[rest].isnan().all() and lse[rest].isnan().all()
+        if queued:
+            got = natural_stats((out[queued], ml[queued], lse[queued]))
+            assert_matches_reference(got, tuple(t[queued] for t in want), BF16, what=f"h={h} fp8={fp8}")
+
+
+@gpu
+@on_hopper
 def test_cuda_library_cached_between_processes(tmp_path):
     """A second process loads the cached library without nvcc."""
     import subprocess

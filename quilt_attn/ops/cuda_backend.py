@@ -50,7 +50,7 @@ class _Params(ctypes.Structure):
                                              "from_plan", "n_work", "nhb")]
     _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int),
                  ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int), ("repair", ctypes.c_void_p),
-                 ("q_scale", ctypes.c_void_p)]
+                 ("q_scale", ctypes.c_void_p), ("queue", ctypes.c_void_p)]
 
 
 class _PlanParams(ctypes.Structure):
@@ -232,6 +232,17 @@ def _ptr(t) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The handle of torch's current stream on ``device``, for a launch (the raw query Triton's launcher makes:
+    a few microseconds less a launch than building a ``torch.cuda.Stream``)."""
+    if _CURRENT_RAW_STREAM is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return _CURRENT_RAW_STREAM(device.index if device.index is not None else torch.cuda.current_device())
+
+
 # The planner kernel's scope (csrc/quilt_plan.cu): member bits in one byte, 16 list entries a thread in
 # one CTA, and its shared memory: the entries' slot references, the pushed-row set and the membership hash
 # table (1.5 slots an entry: its size follows the group's entries, not s_kv).
@@ -305,7 +316,7 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
     prm.iclip, prm.split, prm.log_flags, prm.thr = int(importance_clip), int(split_private), log_flags, float(thr)
     prm.nslots = plan_table_slots(group_size, topk)
     lib = _library()
-    stream = torch.cuda.current_stream(indices.device).cuda_stream
+    stream = _raw_stream(indices.device)
     err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, threads, smem, ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
@@ -325,7 +336,7 @@ def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
                          f"max_tiles {max_tiles}")
     order = torch.empty_like(ntiles)
     lib = _library()
-    stream = torch.cuda.current_stream(ntiles.device).cuda_stream
+    stream = _raw_stream(ntiles.device)
     err = lib.quilt_program_order_launch(_ptr(ntiles), ntiles.numel(), max_tiles, _ptr(order), ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"program order launch failed: {lib.quilt_sm90_error_string(err).decode()}")
@@ -351,7 +362,7 @@ def work_items(h: int, s_q: int, plan=None) -> int:
 
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-           partial: bool = False, tile_kv=None, run_if=None, repair=None, q_scale=None, _skip: int = 0,
+           partial: bool = False, tile_kv=None, run_if=None, repair=None, queue=None, q_scale=None, _skip: int = 0,
            _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
 
@@ -366,7 +377,9 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     of ``plan.tile_kv``. ``run_if = (flag, value)``: the kernel does nothing unless the int32 ``flag[0]``
     equals ``value`` when it starts (two launches, one chosen on the device). ``repair``: the call's repair queue
     (``sparse_attention.repair_buffer``), into which a pass that writes the final outputs queues every query
-    whose output holds a NaN (``run_plan_passes``). ``q_scale``: the FP8 tensor-core mode (csrc/sm90_fp8mma.cuh):
+    whose output holds a NaN (``run_plan_passes``); ``queue``, such a queue once the passes that fill it have run: the
+    repair pass, query programs over ``indices`` for the queued queries only (their count read on the device).
+    ``q_scale``: the FP8 tensor-core mode (csrc/sm90_fp8mma.cuh):
     ``q`` is then ``quantize_q_fp8``'s rows ``uint8 [s_q, h, 640]`` and ``q_scale`` its scales, kv the FP8 cache,
     out bf16 (no partial mode).
     """
@@ -401,6 +414,11 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     prm.scale2 = float(sm_scale) * LOG2E
     prm.skip = _skip
     prm.q_scale = _ptr(q_scale)
+    if queue is not None:
+        if plan is not None or indices is None or partial or fp8mma or repair is not None:
+            raise ValueError("the repair pass (queue) runs final outputs over indices, without a plan, q_scale or "
+                             "a repair queue of its own")
+        prm.queue = queue.data_ptr()
     if plan is not None:
         prog_tiles, prog_ntiles, order = plan_programs(plan, qp)
         cols = plan.tile_kv if tile_kv is None else tile_kv
@@ -428,7 +446,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     if repair is not None and not partial:
         prm.repair = repair.data_ptr()
     lib = _library()
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = _raw_stream(q.device)
     if fp8mma:
         if kv.dim() != 2 or kv.shape[1] != FP8_BYTES or out.dtype != torch.bfloat16:
             raise ValueError(f"the FP8 mode reads the FP8 cache uint8 [s_kv, {FP8_BYTES}] into bf16 out; got kv "
@@ -457,7 +475,7 @@ def quantize_q_fp8(q: torch.Tensor):
     s_q, h, _ = q.shape
     rows = torch.empty(s_q, h, FP8_Q_BYTES, dtype=torch.uint8, device=q.device)
     scale = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = _raw_stream(q.device)
     err = _library().quilt_fp8_quantize_q(q.data_ptr(), q.stride(0), q.stride(1), s_q, h, rows.data_ptr(),
                                           scale.data_ptr(), ctypes.c_void_p(stream))
     if err != 0:
@@ -575,7 +593,16 @@ def launch_fp8mma(q, cache, sm_scale, d_v, out, max_logits, lse, *, indices=None
         launch(qf8, cache, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, repair=repair, q_scale=qs)
 
     run_plan_passes(q, cache, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink,
-                    tile_pass=tile_pass, repair_from=None if indices is None else (indices, topk_length))
+                    tile_pass=tile_pass, repair_from=None if indices is None else (indices, topk_length),
+                    repair_pass=_repair_pass(q, cache, sm_scale, attn_sink))
+
+
+def _repair_pass(q, kv, sm_scale, attn_sink):
+    """``run_plan_passes``' repair pass on this kernel: query programs over the call's own indices for the queued
+    queries (exact arithmetic; an FP8 cache's rows widened in the kernel)."""
+    def run(o, m, l, indices, topk_length, queue):
+        launch(q, kv, sm_scale, o, m, l, indices=indices, topk_length=topk_length, attn_sink=attn_sink, queue=queue)
+    return run
 
 
 def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, repair_from=None):
@@ -590,4 +617,4 @@ def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, at
             launch(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, partial=partial, repair=repair)
 
     run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, tile_pass=tile_pass,
-                    repair_from=repair_from)
+                    repair_from=repair_from, repair_pass=_repair_pass(q, kv, sm_scale, attn_sink))

@@ -375,12 +375,13 @@ def repair_programs(device, s_q: int) -> int:
 
 
 def run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, tile_pass=None,
-                    repair_from=None, **kw):
+                    repair_from=None, repair_pass=None, **kw):
     """Run ``plan`` into the given outputs (any row slices of the call's outputs).
 
     One pass over the plan's tiles; or, when the plan split private rows off, the tiles into a
     float32 partial state and then the query pass over ``plan.priv_idx`` that continues it and writes
-    the outputs. ``tile_pass(out, max_logits, lse, partial, repair)`` runs the tiles (default: this module's
+    the outputs. ``tile_pass(out, max_logits, lse, partial, repair)`` runs the tiles and
+    ``repair_pass(out, max_logits, lse, indices, topk_length, queue)`` the queued queries (default: this module's
     kernel; the CUDA backend passes its own); ``kw`` tunes this module's kernel.
 
     ``repair_from = (indices, topk_length)``, the plan's own: the repair pass. In a shared tile a row that one
@@ -405,6 +406,8 @@ def run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_si
         _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=plan.priv_idx, topk_length=plan.priv_n,
                 attn_sink=attn_sink, init=part, repair=repair, **kw)
     if repair is not None:
-        indices, topk_length = repair_from
-        _launch(q, kv, sm_scale, d_v, out, max_logits, lse, indices=indices, topk_length=topk_length,
-                attn_sink=attn_sink, repair=repair, repair_pass=True)
+        if repair_pass is None:
+            def repair_pass(o, m, l, idx, lengths, queue):
+                _launch(q, kv, sm_scale, d_v, o, m, l, indices=idx, topk_length=lengths, attn_sink=attn_sink,
+                        repair=queue, repair_pass=True)
+        repair_pass(out, max_logits, lse, *repair_from, repair)

@@ -89,6 +89,8 @@ struct Params {
                             //   final-output pass queues each query whose output holds a NaN (run_plan_passes)
   const float* q_scale;     // FP8 mode only: [s_q, h] q's power-of-two scales (q is then quilt_fp8_quantize_q's
                             //   rows: 512 e4m3 latent bytes, 64 bf16 rope values divided by the scale)
+  const int* queue;         // or null: the repair pass, query programs over indices for the queries a repair
+                            //   queue holds (its count read here, on the device), program i its i-th query
 };
 
 // Params' fields in order, for the library's layout table (quilt_sm90_params_layout): Python's ctypes
@@ -97,7 +99,7 @@ struct Params {
   X(q) X(kv) X(out) X(max_logits) X(lse) X(sink) X(tile_kv) X(tile_mask) X(prog_tiles) X(prog_ntiles)          \
   X(prog_order) X(indices) X(topk_length) X(stride_qs) X(stride_qh) X(stride_kv) X(stride_idx) X(stride_os)     \
   X(stride_oh) X(s_q) X(s_kv) X(h) X(topk) X(prog_cap) X(group_size) X(qp) X(hb) X(from_plan) X(n_work) X(nhb) \
-  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair) X(q_scale)
+  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair) X(q_scale) X(queue)
 
 // The mbarriers (SharedStorage::bar) by role.
 struct Bars {

@@ -127,9 +127,10 @@ __device__ __forceinline__ void fill_fp8(const Params& p, uint32_t dst, const in
 __device__ __forceinline__ int next_work_item(const Params& p, int k, int t, volatile int* next) {
   const bool round_robin = !p.from_plan && p.nhb > 1;
   if (t == 0) {
-    next[k & 1] = k == 0 ? blockIdx.x
-                : round_robin ? blockIdx.x + k * gridDim.x
-                              : gridDim.x + atomicAdd(p.work_counter, 1);
+    int w = k == 0 ? blockIdx.x : round_robin ? blockIdx.x + k * gridDim.x : gridDim.x + atomicAdd(p.work_counter, 1);
+    // a repair pass ends at the queue's count (written by the passes before it; p.n_work bounds any count)
+    if (p.queue != nullptr && w < p.n_work && w >= p.queue[0] * p.nhb) w = p.n_work;
+    next[k & 1] = w;
   }
   asm volatile("bar.sync %0, 128;\n" ::"n"(static_cast<int>(kBarProducer)) : "memory");  // (producer only)
   return next[k & 1];

@@ -25,7 +25,7 @@ __device__ __forceinline__ Program program_of(const Params& p, int w, int& hbloc
     pr.n_valid = 0;
   } else {
     pr.sub = 0;
-    pr.q0 = pr.pid;
+    pr.q0 = p.queue != nullptr ? p.queue[1 + p.s_q + pr.pid] : pr.pid;  // (a repair pass: the queued queries)
     int nv = p.topk;
     if (p.topk_length != nullptr) nv = min(max(p.topk_length[pr.q0], 0), p.topk);
     pr.n_valid = nv;
