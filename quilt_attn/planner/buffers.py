@@ -94,20 +94,11 @@ def _carve(workspace, shapes: dict, need: int, device) -> dict:
     if workspace.numel() < need:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {need} "
                          f"(plan_workspace_bytes)")
-    return _views(workspace.view(-1)[:need].view(torch.int32), shapes)
-
-
-def _views(flat: torch.Tensor, shapes: dict) -> dict:
-    """Contiguous int32 views of ``shapes`` laid out in ``flat`` (int32) one after another, each slice starting
-    at a ``WORKSPACE_ALIGN``-byte boundary (one ``as_strided`` a tensor)."""
-    out, off = {}, flat.storage_offset()
+    flat, out, off = workspace.view(-1), {}, 0
     for name, shape in shapes.items():
-        strides, st = [], 1
-        for n in reversed(shape):
-            strides.append(st)
-            st *= n
-        out[name] = flat.as_strided(shape, tuple(reversed(strides)), off)
-        off += _aligned_bytes(shape) // 4
+        n = math.prod(shape)
+        out[name] = flat[off:off + 4 * n].view(torch.int32).view(shape)
+        off += _aligned_bytes(shape)
     return out
 
 
@@ -122,11 +113,10 @@ def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: boo
     ``dropped`` come uninitialized, for a planner that writes every slot and every query's count itself.
     """
     shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
-    need = sum(_aligned_bytes(sh) for sh in shapes.values())
-    if workspace is None:  # (one allocation, cut like a workspace: fewer allocator calls a plan)
-        out = _views(torch.empty(need // 4, dtype=torch.int32, device=device), shapes)
+    if workspace is None:
+        out = {name: torch.empty(shape, dtype=torch.int32, device=device) for name, shape in shapes.items()}
     else:
-        out = _carve(workspace, shapes, need, device)
+        out = _carve(workspace, shapes, sum(_aligned_bytes(sh) for sh in shapes.values()), device)
     out.setdefault("tile_mask", None)
     out.setdefault("priv_idx", None)
     out.setdefault("priv_n", None)
