@@ -7,9 +7,11 @@ sampled queries first (``rel_err`` printed; exit 1 above 1e-2 or on a NaN).
 
 With ``--timeline SHAPES`` (engine shapes, e.g. ``pool-4M,chunk-prefix``; bf16 pools) it prints instead, per shape
 and h, the GPU operations of one call in order (start, duration, gap before it) and the host's time a call:
-enqueueing 20 calls without waiting, and the same calls waited for.
+enqueueing 20 calls without waiting, and the same calls waited for. ``--host`` adds, per shape and h, the host time
+of the call and of its pieces (the planner, each launch, the allocations), each timed over 50 calls while a sleep
+kernel holds the GPU, so that nothing the host does waits on it (the least of three rounds).
 
-    python benchmarks/run.py call-breakdown [--out F.txt] [--timeline pool-4M,chunk-prefix]
+    python benchmarks/run.py call-breakdown [--out F.txt] [--timeline pool-4M,chunk-prefix [--host]]
 """
 from __future__ import annotations
 
@@ -73,10 +75,53 @@ def timeline(call) -> list[str]:
     return lines
 
 
+def host_parts(q, kv, idx) -> list[str]:
+    """Host microseconds a call of the default call and of its pieces, the GPU held busy (see the docstring)."""
+    from quilt_attn import dispatch
+    from quilt_attn.ops import cuda_backend as cb
+    from quilt_attn.ops import sparse_attention as sa
+
+    s_q, h, _ = q.shape
+    pkw = dispatch.plan_settings(h, "cuda")
+    plan = quilt_attn.plan(idx, s_kv=kv.shape[0], **pkw)
+    out, ml, lse = sa.alloc_outputs(q, 512)
+    queue = sa.repair_buffer(s_q, q.device)
+    scale = 576 ** -0.5
+    parts = {
+        "the call": lambda: quilt_attn.sparse_prefill(q, kv, idx),
+        "the call, plan given": lambda: quilt_attn.sparse_prefill(q, kv, idx, plan=plan),
+        "plan()": lambda: quilt_attn.plan(idx, s_kv=kv.shape[0], **pkw),
+        "tile pass launch (CUDA)": lambda: cb.launch(q, kv, scale, out, ml, lse, plan=plan, repair=queue),
+        "repair pass launch (CUDA)": lambda: cb.launch(q, kv, scale, out, ml, lse, indices=idx, queue=queue),
+        "repair pass launch (Triton)": lambda: sa._launch(q, kv, scale, 512, out, ml, lse, indices=idx, repair=queue,
+                                                          repair_pass=True),
+        "repair_buffer": lambda: sa.repair_buffer(s_q, q.device),
+        "alloc_outputs": lambda: sa.alloc_outputs(q, 512),
+        "natural_log_stats": lambda: dispatch.natural_log_stats(ml, lse),
+        "torch.empty": lambda: torch.empty(1, dtype=torch.int32, device=q.device),
+    }
+    for fn in parts.values():
+        for _ in range(3):
+            fn()
+    best = {}
+    for _ in range(3):
+        for name, fn in parts.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # (the GPU busy for longer than the 50 calls take)
+            t = time.perf_counter()
+            for _ in range(50):
+                fn()
+            us = (time.perf_counter() - t) / 50 * 1e6
+            best[name] = min(best.get(name, us), us)
+    torch.cuda.synchronize()
+    return ["  host us a call, the GPU held busy:"] + [f"    {v:7.1f}  {n}" for n, v in best.items()]
+
+
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="a text file for the tables (optional)")
     p.add_argument("--timeline", default=None, help="comma-separated engine shapes: each call's operations in order")
+    p.add_argument("--host", action="store_true", help="with --timeline: the host time of the call's pieces")
     a = p.parse_args(argv)
     env = environment()
     lines = [f"{env.get('gpu')}, commit {env.get('commit')}, {env.get('date')}, torch {env.get('versions', {}).get('torch')}"]
@@ -93,6 +138,8 @@ def main(argv=None, prog=None) -> int:
             worst = float("inf") if chk["nan"] else max(worst, chk["rel_err"])
             lines.append(f"== {name} (bf16, s_q {s_q}, pool {shape.pool}) h {h}: rel_err {chk['rel_err']:.1e}")
             lines += timeline(lambda: quilt_attn.sparse_prefill(q, kv, idx))
+            if a.host:
+                lines += host_parts(q, kv, idx)
         kv = None
         torch.cuda.empty_cache()
     if a.timeline:
