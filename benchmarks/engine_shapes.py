@@ -223,7 +223,8 @@ def main(argv=None, prog=None) -> int:
                   f"{c['extra_mib']:.0f} | {c['rel_err']:.1e} (kernel {k['rel_err']:.1e}"
                   f"{', FlashMLA %.1e' % f['rel_err'] if f else ''}) |", flush=True)
             torch.cuda.empty_cache()
-            bench.save(rows, a.out, {"command": "python " + " ".join(sys.argv)})  # (each case: a cut run keeps its rows)
+            # saved after each case: a run cut short keeps the rows it has
+            bench.save(rows, a.out, {"command": "python " + " ".join(sys.argv)})
     return 0
 
 

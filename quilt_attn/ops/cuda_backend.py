@@ -377,11 +377,10 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     of ``plan.tile_kv``. ``run_if = (flag, value)``: the kernel does nothing unless the int32 ``flag[0]``
     equals ``value`` when it starts (two launches, one chosen on the device). ``repair``: the call's repair queue
     (``sparse_attention.repair_buffer``), into which a pass that writes the final outputs queues every query
-    whose output holds a NaN (``run_plan_passes``); ``queue``, such a queue once the passes that fill it have run: the
-    repair pass, query programs over ``indices`` for the queued queries only (their count read on the device).
-    ``q_scale``: the FP8 tensor-core mode (csrc/sm90_fp8mma.cuh):
-    ``q`` is then ``quantize_q_fp8``'s rows ``uint8 [s_q, h, 640]`` and ``q_scale`` its scales, kv the FP8 cache,
-    out bf16 (no partial mode).
+    whose output holds a NaN (``run_plan_passes``); ``queue``, such a queue once the passes that fill it have
+    run: the repair pass, query programs over ``indices`` for the queued queries only (their count read on the
+    device). ``q_scale``: the FP8 tensor-core mode (csrc/sm90_fp8mma.cuh): ``q`` is then ``quantize_q_fp8``'s
+    rows ``uint8 [s_q, h, 640]`` and ``q_scale`` its scales, kv the FP8 cache, out bf16 (no partial mode).
     """
     fp8mma = q_scale is not None
     if fp8mma and (partial or kv.dtype != torch.uint8 or q.dtype != torch.uint8 or q.shape[2] != FP8_Q_BYTES
