@@ -134,55 +134,20 @@ __device__ __forceinline__ void stage_fp8(const Params& p, uint32_t dst, const i
   }
 }
 
-// 4 e4m3 values (x) times their scale, as bf16 pairs, without conversion instructions (the producer's widening
-// was bound by them: one F2FP unpack and one pack a value pair): each byte moved into a bf16 whose exponent
-// field is the e4m3 one (sign, 4 exponent, 3 mantissa bits in place: the value times 2^-120 exactly, zeros and
-// subnormals included), then one bf16x2 multiply by s 2^120, exact when s is a power of two. Not for NaN bytes
-// (they would come out finite) nor other scales: the caller takes widen2 there.
-__device__ __forceinline__ uint32_t e4m3x2_bf16(uint32_t x, uint32_t sel, uint32_t s2) {
-  const uint32_t w = __byte_perm(x, 0u, sel);                      // byte b -> bits 8..15 of its 16-bit lane
-  const uint32_t u = (w & 0x80008000u) | ((w >> 4) & 0x07F007F0u);  // sign, exponent, mantissa
-  __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&u), *reinterpret_cast<const __nv_bfloat162*>(&s2));
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-// s 2^120 as a bf16 pair, or 0xFFFFFFFF where the fast widening is not exact (s not a power of two in
-// [2^-126, 128], nor 0: padding rows)
-__device__ __forceinline__ uint32_t fast_scale2(float s) {
-  const uint32_t b = __float_as_uint(s);
-  if ((b & 0x807FFFFFu) != 0u || (b >> 23) > 127u + 7u) return 0xFFFFFFFFu;
-  const uint32_t h = b == 0u ? 0u : (b + (120u << 23)) >> 16;
-  return h | (h << 16);
-}
-__device__ __forceinline__ bool has_nan_byte(uint2 x) {  // an e4m3 NaN: the low 7 bits all set
-  return ((((x.x & 0x7F7F7F7Fu) + 0x01010101u) | ((x.y & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u) != 0u;
-}
-
 // the staged half widened in place (the caller has waited for its copies and synchronized the producer)
 __device__ __forceinline__ void widen_fp8(uint32_t dst, int g, int unit, int half, const float2 (&sc)[4]) {
   const int c0 = half ? 4 : 0;
   const uint32_t stage = dst + (c0 + 2) * kChunkBytes;
-  auto store = [&](int c, int r, uint2 x, float s, uint32_t s2) {
-    const uint32_t at = dst + c * kChunkBytes + swz(r, unit);
-#if defined(QUILT_FP8_WIDEN_SKIP)  // (measurement only, results invalid: the widening's arithmetic)
-    st_shared_v4(at, x.x, x.y, x.x, x.y);
-#else
-#ifndef QUILT_FP8_WIDEN_CVT  // (measurement: every value through the conversion instructions)
-    if (s2 != 0xFFFFFFFFu && !has_nan_byte(x)) {
-      st_shared_v4(at, e4m3x2_bf16(x.x, 0x1404, s2), e4m3x2_bf16(x.x, 0x3424, s2), e4m3x2_bf16(x.y, 0x1404, s2),
-                   e4m3x2_bf16(x.y, 0x3424, s2));
-      return;
-    }
-#endif
-    st_shared_v4(at, widen2(x.x & 0xFFFFu, s), widen2(x.x >> 16, s), widen2(x.y & 0xFFFFu, s), widen2(x.y >> 16, s));
-#endif
+  auto store = [&](int c, int r, uint2 x, float s) {
+    st_shared_v4(dst + c * kChunkBytes + swz(r, unit), widen2(x.x & 0xFFFFu, s), widen2(x.x >> 16, s),
+                 widen2(x.y & 0xFFFFu, s), widen2(x.y >> 16, s));
   };
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // chunks c0, c0 + 1: outside the staging area
     const int r = g + 16 * j;
-    const uint32_t s2 = fast_scale2(sc[j].x);
 #pragma unroll
     for (int cc = 0; cc < 2; ++cc) {
-      store(c0 + cc, r, lds64(stage + fp8_stage_at(r, cc * 4 + unit / 2) + (unit & 1) * 8), sc[j].x, s2);
+      store(c0 + cc, r, lds64(stage + fp8_stage_at(r, cc * 4 + unit / 2) + (unit & 1) * 8), sc[j].x);
     }
   }
   uint2 y[4][2];
@@ -195,9 +160,8 @@ __device__ __forceinline__ void widen_fp8(uint32_t dst, int g, int unit, int hal
   producer_bar();  // every thread has read the staging area before it is overwritten
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t s2 = fast_scale2(sc[j].y);
 #pragma unroll
-    for (int cc = 0; cc < 2; ++cc) store(c0 + 2 + cc, g + 16 * j, y[j][cc], sc[j].y, s2);
+    for (int cc = 0; cc < 2; ++cc) store(c0 + 2 + cc, g + 16 * j, y[j][cc], sc[j].y);
   }
 }
 
