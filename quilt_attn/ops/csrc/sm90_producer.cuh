@@ -91,77 +91,32 @@ __device__ __forceinline__ uint32_t widen2(uint32_t two_bytes, float s) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// An FP8 half of a kv buffer is staged, then widened in place. The staging area is the half's own last two
-// chunks (c0 + 2, c0 + 3: 16 KB, the 64 rows x 256 e4m3 bytes of the half's latent), filled by cp.async (no
-// registers hold data in flight, one round trip a half; the register path loaded row by row and waited four);
-// the widening writes chunks c0, c0 + 1 from it, then, once every producer thread has read the rest, c0 + 2,
-// c0 + 3. Row r's 16-byte unit u sits at r * 256 + (u ^ 4 (r & 1)) * 16: a warp's 8-byte reads (four rows)
-// take two wavefronts. Invalid rows copy nothing (zero-filled) and have scale 0.
-__device__ __forceinline__ uint32_t fp8_stage_at(int r, int u) { return r * 256 + (((u ^ ((r & 1) << 2)) & 15) << 4); }
-
-__device__ __forceinline__ uint2 lds64(uint32_t a) {
-  uint2 v;
-  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
-  return v;
-}
-__device__ __forceinline__ void producer_bar() {
-  asm volatile("bar.sync %0, 128;\n" ::"n"(static_cast<int>(kBarProducer)) : "memory");
-}
-__device__ __forceinline__ bool mbar_done(uint32_t bar, int parity) {  // (does not wait)
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-// the copies of half `half` of buffer buf (rows, validity as slot_of gives them) and its two block scales a row
-__device__ __forceinline__ void stage_fp8(const Params& p, uint32_t dst, const int (&row)[4], const bool (&ok)[4],
-                                          int g, int unit, int half, float2 (&sc)[4]) {
+// One half of a kv buffer from FP8 cache rows: the latent chunks c0 .. c0 + 3 loaded to registers (8 bytes a
+// unit), widened and stored (st.shared; the caller fences them for wgmma), and in half 1 the rope chunk by
+// cp.async, as the dense path copies it. Invalid rows widen zeros (their loads are skipped).
+__device__ __forceinline__ void fill_fp8(const Params& p, uint32_t dst, const int (&row)[4], const bool (&ok)[4],
+                                         int g, int unit, int half) {
   const uint8_t* cache = static_cast<const uint8_t*>(p.kv);
   const int c0 = half ? 4 : 0;
-  const uint32_t stage = dst + (c0 + 2) * kChunkBytes;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = g + 16 * j;
+  for (int j = 0; j < 4; ++j) {  // (row by row: four rows' loads in flight need ~40 of the producer's 72 registers)
     const uint8_t* base = cache + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0);
-    cp_async16(stage + fp8_stage_at(r, unit), base + c0 * 64 + unit * 16, ok[j]);
-    cp_async16(stage + fp8_stage_at(r, unit + 8), base + c0 * 64 + (unit + 8) * 16, ok[j]);
-    if (half) cp_async16(dst + (kChunks - 1) * kChunkBytes + swz(r, unit), base + kFp8RopeAt + unit * 16, ok[j]);
-    sc[j] = ok[j] ? __ldg(reinterpret_cast<const float2*>(base + kFp8ScaleAt + 4 * (c0 / 2))) : make_float2(0.f, 0.f);
-  }
-}
-
-// the staged half widened in place (the caller has waited for its copies and synchronized the producer)
-__device__ __forceinline__ void widen_fp8(uint32_t dst, int g, int unit, int half, const float2 (&sc)[4]) {
-  const int c0 = half ? 4 : 0;
-  const uint32_t stage = dst + (c0 + 2) * kChunkBytes;
-  auto store = [&](int c, int r, uint2 x, float s) {
-    st_shared_v4(dst + c * kChunkBytes + swz(r, unit), widen2(x.x & 0xFFFFu, s), widen2(x.x >> 16, s),
-                 widen2(x.y & 0xFFFFu, s), widen2(x.y >> 16, s));
-  };
+    uint2 raw[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {  // chunks c0, c0 + 1: outside the staging area
-    const int r = g + 16 * j;
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc) {
-      store(c0 + cc, r, lds64(stage + fp8_stage_at(r, cc * 4 + unit / 2) + (unit & 1) * 8), sc[j].x);
+    for (int cc = 0; cc < 4; ++cc) {
+      raw[cc] = ok[j] ? __ldg(reinterpret_cast<const uint2*>(base + (c0 + cc) * 64 + unit * 8)) : make_uint2(0u, 0u);
     }
-  }
-  uint2 y[4][2];
+    const float2 sc = ok[j] ? __ldg(reinterpret_cast<const float2*>(base + kFp8ScaleAt + 4 * (c0 / 2)))
+                            : make_float2(0.f, 0.f);
+    if (half) {
+      cp_async16(dst + (kChunks - 1) * kChunkBytes + swz(g + 16 * j, unit), base + kFp8RopeAt + unit * 16, ok[j]);
+    }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = g + 16 * j;
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc) y[j][cc] = lds64(stage + fp8_stage_at(r, (cc + 2) * 4 + unit / 2) + (unit & 1) * 8);
-  }
-  producer_bar();  // every thread has read the staging area before it is overwritten
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc) store(c0 + 2 + cc, g + 16 * j, y[j][cc], sc[j].y);
+    for (int cc = 0; cc < 4; ++cc) {
+      const float s = cc < 2 ? sc.x : sc.y;  // chunks 2k, 2k + 1 share scale k
+      st_shared_v4(dst + (c0 + cc) * kChunkBytes + swz(g + 16 * j, unit), widen2(raw[cc].x & 0xFFFFu, s),
+                   widen2(raw[cc].x >> 16, s), widen2(raw[cc].y & 0xFFFFu, s), widen2(raw[cc].y >> 16, s));
+    }
   }
 }
 
@@ -223,8 +178,8 @@ __device__ __forceinline__ void hand_over(const Params& p, int w, const Program&
 
 // The producer runs ahead of the consumers across programs: the next program's first kv block is
 // gathered while the consumers finish the current one, and its q as soon as their last QK is done.
-template <typename T>
-__device__ void produce_bf16(const Params& p, uint8_t* smem, const Bars& bars) {
+template <typename T, bool kFp8>
+__device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
   const int t = threadIdx.x - 256, unit = t % 8, g = t / 8;
   const T* kv = static_cast<const T*>(p.kv);
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + kSmemMask);
@@ -247,12 +202,16 @@ __device__ void produce_bf16(const Params& p, uint8_t* smem, const Bars& bars) {
     const int c0 = half ? 4 : 0, c1 = half ? kChunks : 4;
     if (!(p.skip & kSkipGather)) {
       const uint32_t dst = smem_u32(smem + kSmemKV + buf * kTileBytes);
+      if constexpr (kFp8) {
+        fill_fp8(p, dst, row, ok, g, unit, half);
+      } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = g + 16 * j;
-        const T* src = kv + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0) + unit * 8;
+        for (int j = 0; j < 4; ++j) {
+          const int r = g + 16 * j;
+          const T* src = kv + (ok[j] ? static_cast<long long>(row[j]) * p.stride_kv : 0) + unit * 8;
 #pragma unroll
-        for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
+          for (int c = c0; c < c1; ++c) cp_async16(dst + c * kChunkBytes + swz(r, unit), src + c * 64, ok[j]);
+        }
       }
     }
 #ifdef QUILT_SANITIZER_SYNC
@@ -262,8 +221,18 @@ __device__ void produce_bf16(const Params& p, uint8_t* smem, const Bars& bars) {
     mbar_arrive(bars.ready(buf, half));
     mbar_arrive(bars.ready(buf, half));
 #else
-    mbar_arrive(bars.ready(buf, half));
-    mbar_arrive_copies(bars.ready(buf, half));
+    if constexpr (kFp8) {
+      fence_async_smem();  // the widened rows (st.shared) -> wgmma's async-proxy reads
+      mbar_arrive(bars.ready(buf, half));
+      if (half) {
+        mbar_arrive_copies(bars.ready(buf, half));  // the rope chunk's cp.async
+      } else {
+        mbar_arrive(bars.ready(buf, half));
+      }
+    } else {
+      mbar_arrive(bars.ready(buf, half));
+      mbar_arrive_copies(bars.ready(buf, half));
+    }
 #endif
   };
   int gb = 0;  // kv blocks of the CTA's earlier programs: the ready / free barriers' phase
@@ -299,100 +268,6 @@ __device__ void produce_bf16(const Params& p, uint8_t* smem, const Bars& bars) {
     gb += n_blocks;
   }
   cp_async_wait<0>();
-}
-
-
-// The producer over an FP8 cache: the bf16 producer's fills in its order, each staged by cp.async and widened
-// in place (stage_fp8, widen_fp8). A fill's copies are issued before the fill before it is widened when its
-// buffer half is already free (never waited for: the consumer frees buffer 1's half 0 only after buffer 0's
-// next half 0 is ready), so one fill's gather overlaps the other's widening; the scales of both are in registers.
-__device__ void produce_fp8(const Params& p, uint8_t* smem, const Bars& bars) {
-  const int t = threadIdx.x - 256, unit = t % 8, g = t / 8;
-  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + kSmemMask);
-  Slots cur, nxt;
-  int tile_n[2], tile_nn[2];
-  float2 sc[2][4];  // the block scales of the fills in flight, by fill parity
-  auto issue = [&](const Slots& sl, int buf, int half, int phase, float2(&s)[4]) {
-    mbar_wait(bars.free(buf, half), phase ^ 1);
-    bool ok[4];
-    int row[4];
-    uint32_t bits[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      slot_of(p, sl, buf, j, row[j], bits[j]);
-      ok[j] = row[j] >= 0 && row[j] < p.s_kv;
-    }
-    if (half == buf && unit == 0) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) masks[buf * kTile + g + 16 * j] = ok[j] ? bits[j] : 0u;
-    }
-    if (!(p.skip & kSkipGather)) stage_fp8(p, smem_u32(smem + kSmemKV + buf * kTileBytes), row, ok, g, unit, half, s);
-    cp_async_commit();
-  };
-  auto finish = [&](int buf, int half, bool pending, const float2(&s)[4]) {
-    if (pending) {
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    producer_bar();  // every thread's copies of the half have landed
-    if (!(p.skip & kSkipGather)) widen_fp8(smem_u32(smem + kSmemKV + buf * kTileBytes), g, unit, half, s);
-    fence_async_smem();  // the widened rows (st.shared) -> wgmma's async-proxy reads
-    mbar_arrive(bars.ready(buf, half));
-    mbar_arrive(bars.ready(buf, half));
-  };
-  constexpr int kBuf[4] = {0, 1, 0, 1}, kHalf[4] = {0, 1, 1, 0};  // the bf16 producer's order
-  int gb = 0;
-  volatile int* next = reinterpret_cast<int*>(smem + kSmemWork);
-  for (int k = 0;; ++k) {
-    const int w = next_work_item(p, k, t, next);
-    if (w >= p.n_work) {
-      hand_over<__nv_bfloat16>(p, w, Program{}, 0, k, t, smem, bars);
-      break;
-    }
-    int hblock;
-    const Program pr = program_of(p, w, hblock);
-    const int n_blocks = (pr.n_tiles + 1) / 2;
-    int tile0[2];
-    load_tile_ids(p, pr, 0, tile0);
-    load_tile_ids(p, pr, 1, tile_n);
-    load_slots(p, pr, 0, g, tile0, cur);
-    hand_over<__nv_bfloat16>(p, w, pr, hblock, k, t, smem, bars);
-    if (n_blocks > 0) issue(cur, 0, 0, gb & 1, sc[0]);
-    bool issued = true;  // fill 0 of the block is issued
-    for (int b = 0; b < n_blocks; ++b) {
-      const int phase = (gb + b) & 1;
-      load_slots(p, pr, b + 1, g, tile_n, nxt);  // (past the end: no loads, all slots -1)
-      load_tile_ids(p, pr, b + 2, tile_nn);
-      if (!issued) issue(cur, 0, 0, phase, sc[0]);
-#pragma unroll
-      for (int f = 0; f < 4; ++f) {
-        // the next fill: this block's f + 1, or the next block's first
-        const bool more = f < 3 || b + 1 < n_blocks;
-        const int nb = f < 3 ? kBuf[f + 1] : 0, nh = f < 3 ? kHalf[f + 1] : 0;
-        const int nphase = f < 3 ? phase : phase ^ 1;
-        const bool early = more && __shfl_sync(0xffffffff, mbar_done(bars.free(nb, nh), nphase ^ 1), 0);
-        if (early) issue(f < 3 ? cur : nxt, nb, nh, nphase, sc[(f + 1) & 1]);
-        finish(kBuf[f], kHalf[f], early, sc[f & 1]);
-        if (f < 3 && !early) issue(cur, nb, nh, nphase, sc[(f + 1) & 1]);
-        if (f == 3) issued = early;
-      }
-      cur = nxt;
-      tile_n[0] = tile_nn[0];
-      tile_n[1] = tile_nn[1];
-    }
-    gb += n_blocks;
-  }
-  cp_async_wait<0>();
-}
-
-template <typename T, bool kFp8>
-__device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
-  if constexpr (kFp8) {
-    produce_fp8(p, smem, bars);
-  } else {
-    produce_bf16<T>(p, smem, bars);
-  }
 }
 
 
