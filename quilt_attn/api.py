@@ -189,7 +189,8 @@ def sparse_prefill(
     if precision == "exact":  # (the FP8 mode reads the cache's own rows)
         kv = dispatch.kernel_kv(q, kv, backend, indices.shape[1], tuning["fp8_expand"],
                                 plan=plan if decision.quilt else None)
-    if decision.quilt and plan is None:
+    made_here = decision.quilt and plan is None
+    if made_here:
         pkw = dispatch.plan_settings(h, backend, settings)
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)
     work = dict(indices=indices, topk_length=topk_length)  # (with a plan: for its repair pass)
@@ -197,7 +198,7 @@ def sparse_prefill(
         work["plan"] = plan
     if decision.kernel == "cuda":
         out, max_logits, lse = launch_sparse_attention_cuda(q, kv, sm_scale, d_v, attn_sink=attn_sink,
-                                                            precision=precision, **work)
+                                                            precision=precision, plan_is_spent=made_here, **work)
     else:
         from .ops.sparse_attention import launch_sparse_attention  # a Triton kernel module: imported when first used
 

@@ -406,14 +406,20 @@ def test_cuda_fp8_pool_compacted_equals_expanded(h, method, cap, monkeypatch, na
     """An FP8 pool above ``FP8_COMPACT_POOL`` rows: the call widens only its referenced rows into the compact
     buffer (or, when they are more than ``FP8_COMPACT_ROWS``, the launch chosen on the device widens them in
     the kernel) and gives the expanded pool's result bit for bit, with invalid entries, an empty query,
-    topk_length and attn_sink."""
+    topk_length and attn_sink. The plan the call makes is renumbered in place (no copy of its columns)."""
     from quilt_attn import dequantize_fp8
+    from quilt_attn.ops import fp8_compact
 
     q, cache, idx, kw, want = _fp8_case(h, method)
     lengths, sink = kw["topk_length"], kw["attn_sink"]
     monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 1024)
     monkeypatch.setattr(cuda_backend, "FP8_COMPACT_ROWS", cache.shape[0] if cap == "fits" else 256)
+    in_place = []
+    real = fp8_compact.compact_columns
+    monkeypatch.setattr(fp8_compact, "compact_columns",
+                        lambda *a, **k: in_place.append(k.get("in_place", False)) or real(*a, **k))
     got = sparse_prefill(q, cache, idx, **kw)
+    assert in_place == [dispatch.decide("cuda", method, h).quilt], f"{method} h={h}: numbered {in_place}"
     for a, b, name in zip(got, want, ("out", "max_logits", "lse")):
         assert torch.equal(a, b), f"{method} h={h} {cap}: {name} differs from the expanded pool's"
     dense = dequantize_fp8(cache)

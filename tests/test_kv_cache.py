@@ -250,7 +250,8 @@ def test_fp8_compaction_widens_the_referenced_rows_and_renumbers_them(packed, mo
     """``fp8_compact.compact_columns`` and ``Compaction.widen`` (Triton; its interpreter on a CPU): every
     referencing word, renumbered, reaches the same dequantized values as the original row did (bit for bit);
     padding, negative and out-of-pool words are unchanged; compact rows are in pool order; ``fits`` is 1 exactly
-    when the distinct rows are at most ``cap``; ``expand_fp8(rows=...)`` widens the listed rows."""
+    when the distinct rows are at most ``cap``; ``in_place`` renumbers the words themselves alike;
+    ``expand_fp8(rows=...)`` widens the listed rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -282,6 +283,9 @@ def test_fp8_compaction_widens_the_referenced_rows_and_renumbers_them(packed, mo
     for cap, fits_want in ((s_kv, 1), (distinct, 1), (distinct - 1, 0)):
         c = compact_columns(words, s_kv, cap, packed=packed)
         dense, remapped, fits = c.widen(cache), c.columns, c.fits
+        spent = words.clone()  # renumbered in place: the same numbering, in the words themselves
+        c_in = compact_columns(spent, s_kv, cap, packed=packed, in_place=True)
+        assert c_in.columns is spent and torch.equal(spent, remapped) and torch.equal(c_in.rows, c.rows)
         assert dense.shape == (cap, 576) and remapped.shape == words.shape and int(fits) == fits_want
         assert torch.equal(remapped[~ok], words[~ok])
         if packed:

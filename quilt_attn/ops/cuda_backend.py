@@ -497,12 +497,13 @@ def aligned_16(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_length=None, plan=None,
-                                 attn_sink=None, precision: str = "exact"):
+                                 attn_sink=None, precision: str = "exact", plan_is_spent: bool = False):
     """Allocate outputs and run the CUDA kernel (the counterpart of ``launch_sparse_attention``).
 
     A plan that split private rows off runs its shared tiles here (float32 partial state) and the
     private rows in the Triton query pass that continues that state. ``indices`` (and ``topk_length``) given
     with a plan: the ones it was built from, for the repair pass (``sparse_attention.run_plan_passes``).
+    ``plan_is_spent``: the plan was made for this call alone (an FP8 pool's compaction renumbers it in place).
     """
     from .sparse_attention import alloc_outputs  # a Triton kernel module: imported when first used
 
@@ -518,7 +519,8 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
                       attn_sink=attn_sink)
     elif plan is not None:
         run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink,
-                             repair_from=None if indices is None else (indices, topk_length))
+                             repair_from=None if indices is None else (indices, topk_length),
+                             plan_is_spent=plan_is_spent)
     elif _compacts(kv):
         launch_fp8_compact(q, kv, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length,
                            attn_sink=attn_sink)
@@ -542,7 +544,7 @@ def _compacts(kv) -> bool:
 
 
 def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-                       attn_sink=None, cap: int | None = None, repair=None) -> None:
+                       attn_sink=None, cap: int | None = None, repair=None, plan_is_spent: bool = False) -> None:
     """The kernel over an FP8 cache's referenced rows widened into a compact bf16 buffer (``fp8_compact``),
     and, chosen on the device when they are more than ``cap`` (default ``FP8_COMPACT_ROWS``), over the cache
     itself, widened in the kernel; no host sync. Not for split-private plans (their Triton pass reads the
@@ -550,7 +552,9 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
 
     With a plan, the numbering of its rows depends on its columns alone: it is made on the plan's first FP8
     call and kept with the plan (``Plan.cached``; one more int32 a column), so a plan reused across calls pays
-    only the widening. Query programs number their index lists every call."""
+    only the widening. ``plan_is_spent``: a plan the call made and drops after it, renumbered in place instead
+    (no copy of its columns; the plan then addresses the compact rows). Query programs number their index lists
+    every call."""
     from .fp8_compact import compact_columns  # a Triton kernel module: imported when first used
 
     cap = min(FP8_COMPACT_ROWS if cap is None else cap, cache.shape[0])
@@ -558,8 +562,11 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
     s_kv = cache.shape[0]
     if plan is not None:
         plan.wait()
-        c = plan.cached(("cuda_backend.fp8_compact", s_kv, cap),
-                        lambda: compact_columns(plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None))
+        if plan_is_spent:
+            c = compact_columns(plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None, in_place=True)
+        else:
+            c = plan.cached(("cuda_backend.fp8_compact", s_kv, cap),
+                            lambda: compact_columns(plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None))
         work = dict(plan=plan)
         compact = dict(plan=plan, tile_kv=c.columns)
     else:
@@ -604,14 +611,16 @@ def _repair_pass(q, kv, sm_scale, attn_sink):
     return run
 
 
-def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, repair_from=None):
+def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, attn_sink=None, repair_from=None,
+                         plan_is_spent: bool = False):
     """``sparse_attention.run_plan_passes`` with this kernel running the plan's tiles (an FP8 cache's on its
     compacted rows, ``_compacts``, but for the partial pass of a split-private plan)."""
     from .sparse_attention import run_plan_passes
 
     def tile_pass(o, m, l, partial, repair):
         if _compacts(kv) and not partial:
-            launch_fp8_compact(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, repair=repair)
+            launch_fp8_compact(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, repair=repair,
+                               plan_is_spent=plan_is_spent)
         else:
             launch(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, partial=partial, repair=repair)
 
