@@ -249,7 +249,7 @@ def test_fp8_cache_layout_is_checked_in_one_place():
 def test_fp8_compaction_widens_the_referenced_rows_and_renumbers_them(packed, monkeypatch):
     """``fp8_compact.compact_columns`` and ``Compaction.widen`` (Triton; its interpreter on a CPU): every
     referencing word, renumbered, reaches the same dequantized values as the original row did (bit for bit);
-    padding, negative and out-of-pool words are unchanged; compact rows are in pool order; ``fits`` is 1 exactly
+    padding, negative and out-of-pool words are unchanged (all words, when the rows overflow ``cap``); compact rows are in pool order; ``fits`` is 1 exactly
     when the distinct rows are at most ``cap``; ``in_place`` renumbers the words themselves alike;
     ``expand_fp8(rows=...)`` widens the listed rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -288,6 +288,8 @@ def test_fp8_compaction_widens_the_referenced_rows_and_renumbers_them(packed, mo
         assert c_in.columns is spent and torch.equal(spent, remapped) and torch.equal(c_in.rows, c.rows)
         assert dense.shape == (cap, 576) and remapped.shape == words.shape and int(fits) == fits_want
         assert torch.equal(remapped[~ok], words[~ok])
+        if not fits_want:  # overflowing: every word unchanged (the launch over the cache reads them)
+            assert torch.equal(remapped, words)
         if packed:
             assert torch.equal(remapped[ok] >> 24, words[ok] >> 24)  # member bits kept
         new, old = row_of(remapped[ok]).long(), row_of(words[ok]).long()

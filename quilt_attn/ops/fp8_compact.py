@@ -47,11 +47,12 @@ def _mark_kernel(words_ptr, n, mark_ptr, s_kv, LOGP, PACKED: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _remap_kernel(words_ptr, n, incl_ptr, out_ptr, s_kv, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+def _remap_kernel(words_ptr, n, incl_ptr, fits_ptr, out_ptr, s_kv, PACKED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     w = tl.load(words_ptr + offs, mask=live, other=-1)
     row, ok = column_row(w, s_kv, PACKED)
+    ok &= tl.load(fits_ptr) != 0  # (overflowing: the words stay as they are, for the launch over the cache)
     pos = tl.load(incl_ptr + row, mask=ok & live, other=1) - 1  # the row's compact number
     if PACKED:
         new = pos | (w & -16777216)  # (-16777216: the member bits 0xFF000000)
@@ -73,7 +74,8 @@ class Compaction:
     count : int32 ``[1]``, the distinct referenced rows (on the device, never read on the host).
     fits : int32 ``[1]``, 1 when ``count <= cap`` (else the compact rows miss some and the caller's other
         launch must run).
-    columns : int32 like the words: each referencing word with its row renumbered, the others unchanged.
+    columns : int32 like the words: each referencing word with its row renumbered, the others unchanged; all
+        of them unchanged when the rows do not fit (``fits`` 0: the caller's launch over the cache reads them).
     """
 
     rows: torch.Tensor
@@ -95,8 +97,9 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
         padding) or kv rows (query-parallel indices: negative or ``>= s_kv`` reference no row).
     s_kv : rows of the pool the words address.
     cap : rows of the compact numbering, ``1 <= cap <= s_kv``.
-    in_place : renumber ``words`` themselves (``columns`` is then ``words``): for columns nobody reads again,
-        a plan made inside the call (saves a copy of them: 128 MiB at s_q 16384, Top-2048).
+    in_place : renumber ``words`` themselves (``columns`` is then ``words``; left as they are when the rows
+        overflow ``cap``): for columns nobody reads after this call, a plan made inside it (saves a copy of
+        them: 128 MiB at s_q 16384, Top-2048).
     """
     if words.dtype != torch.int32 or not words.is_contiguous():
         raise ValueError(f"words must be contiguous int32, got {words.dtype}")
@@ -118,5 +121,5 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     rows = torch.searchsorted(incl, want, out_int32=True).clamp_(max=s_kv - 1)
     columns = words if in_place else torch.empty_like(words)  # (each word is read, then written, by one lane)
     if n:
-        _remap_kernel[grid](words, n, incl, columns, s_kv, PACKED=packed, BLOCK=BLOCK)
+        _remap_kernel[grid](words, n, incl, fits, columns, s_kv, PACKED=packed, BLOCK=BLOCK)
     return Compaction(rows, count.clone(), fits, columns)
