@@ -28,9 +28,9 @@ DEFAULTS = dict(
     plan_beside=RESULTS / "h200_plan_reserved_sms_v11.json",
     clip=RESULTS / "clip_accuracy_cpu.json",
     # newest first; the first is the current code's run, the others earlier runs (the last one beside FlashMLA)
-    engine=[RESULTS / "h200_engine_shapes_8e0ba74.json", RESULTS / "h200_engine_shapes_flashmla_8e0ba74.json"],
+    engine=[RESULTS / "h200_engine_shapes_9c4a038.json", RESULTS / "h200_engine_shapes_flashmla_8e0ba74.json"],
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
-    fp8_cache=[RESULTS / "h200_fp8_cache_dc8143f.json"],
+    fp8_cache=[RESULTS / "h200_fp8_cache_3a1f020.json"],
     repair=RESULTS / "h200_repair_cost_00482d8.json",
 )
 
@@ -67,6 +67,8 @@ UNMEASURED_CHANGES = [
     "`h200_call_timeline_3539286.txt`; measured in the engine-shape section);",
     "the FP8 compaction widens only the rows a call references, keeps a byte a pool row in its mark pass (read "
     "before stored, programs in bit-reversed order), and a plan keeps the numbering of its rows (all measured in "
+    "the FP8-cache section);",
+    "the FP8 compaction renumbers a plan made in the call in place, not into a copy of its columns (measured in "
     "the FP8-cache section).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
@@ -166,7 +168,7 @@ def _status(docs) -> list[str]:
         ">",
         "> The engine-shape run (without the items that say its rows predate them) measured the kernel with a "
         "prebuilt plan at the old",
-        "> grid's time (3.39-3.51 / 2.11-2.12 ms at 16 / 8 heads, pools of 64K-4M rows; grid 3.40 / 2.13) and the "
+        "> grid's time (3.42-3.45 / 2.12-2.16 ms at 16 / 8 heads, pools of 64K-4M rows; grid 3.40 / 2.13) and the "
         "CUDA planner at",
         "> 0.23 / 0.26 ms (the old byte-table planner: 0.19 at a 64K context only; `docs/design-log.md`). Re-run",
         "> the grid before quoting a grid number as the current code's.",
@@ -577,7 +579,8 @@ def _fp8_cache(docs, paths, root) -> list[str]:
              "do: there the two are the same path); `widen`, the kernel reading the FP8 rows and widening them "
              "on their way into shared memory. `call`: `sparse_prefill` made to take each path, the plan made in "
              "the call; `default`: as it is (expanded up to `FP8_COMPACT_POOL` = 512K rows, compacted above; "
-             "with a caller's plan, compacted at any size). Every output equals the bf16 kernel's bit for bit "
+             "with a caller's plan, compacted at any size; a plan made in the call is renumbered in place, no copy of "
+             "its columns). Every output equals the bf16 kernel's bit for bit "
              "(`same bits`); `extra MiB`: the call's peak device memory above inputs and outputs. A row's ms is "
              "the median of its interleaved rounds, which spread by up to 5-8% on this power-capped board (the "
              "first round runs fastest): a ratio within a few percent of 1 is the spread, not a cost.", "",
@@ -619,7 +622,9 @@ def _fp8_cache(docs, paths, root) -> list[str]:
               + (f"; query programs (h >= 64) number their s_q x topk index lists every call: "
                  f"{_span(qp, '{:.3f}')}x" if qp else "") + ". Expanding grows with the pool. The widened kernel "
               "is producer-bound (about twice the bf16 kernel: one warpgroup gathers and widens, on each half "
-              "tile's refill path; docs/design-log.md, 2026-12-02). A call referencing more than "
+              "tile's refill path; docs/design-log.md, 2026-12-02; staging each half by cp.async and widening it "
+              "in place was slower still, and 1.57x the bf16 kernel with no arithmetic at all: "
+              "`h200_fp8_widen_staged_ab_f93b923.json`). A call referencing more than "
               "`FP8_COMPACT_ROWS` (131,072) distinct rows runs the widening kernel, chosen on the device.", ""]
     return lines
 
