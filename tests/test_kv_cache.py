@@ -249,9 +249,9 @@ def test_fp8_cache_layout_is_checked_in_one_place():
 def test_fp8_compaction_widens_the_referenced_rows_and_renumbers_them(packed, monkeypatch):
     """``fp8_compact.compact_columns`` and ``Compaction.widen`` (Triton; its interpreter on a CPU): every
     referencing word, renumbered, reaches the same dequantized values as the original row did (bit for bit);
-    padding, negative and out-of-pool words are unchanged (all words, when the rows overflow ``cap``); compact rows are in pool order; ``fits`` is 1 exactly
-    when the distinct rows are at most ``cap``; ``in_place`` renumbers the words themselves alike;
-    ``expand_fp8(rows=...)`` widens the listed rows."""
+    padding, negative and out-of-pool words are unchanged (all words, when the rows overflow ``cap``); compact
+    rows are in pool order; ``fits`` is 1 exactly when the distinct rows are at most ``cap``; ``in_place``
+    renumbers the words themselves alike; ``expand_fp8(rows=...)`` widens the listed rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")

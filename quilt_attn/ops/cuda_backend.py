@@ -562,11 +562,8 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
     s_kv = cache.shape[0]
     if plan is not None:
         plan.wait()
-        if plan_is_spent:
-            c = compact_columns(plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None, in_place=True)
-        else:
-            c = plan.cached(("cuda_backend.fp8_compact", s_kv, cap),
-                            lambda: compact_columns(plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None))
+        number = functools.partial(compact_columns, plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None)
+        c = number(in_place=True) if plan_is_spent else plan.cached(("cuda_backend.fp8_compact", s_kv, cap), number)
         work = dict(plan=plan)
         compact = dict(plan=plan, tile_kv=c.columns)
     else:
