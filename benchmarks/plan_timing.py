@@ -45,7 +45,7 @@ def main(argv=None, prog=None) -> int:
                     help="cpu: the torch planner only, a smoke run (its times mean little)")
     ap.add_argument("--cuda-builds", default=None,
                     help="A/B builds of the CUDA planner instead of the backends: comma-separated -D settings, "
-                         "'base' for none (e.g. base,NAME=1 for a variant behind a macro); timed in "
+                         "'base' for none, '+' between the settings of one build (e.g. base,NAME=1,A+B); timed in "
                          "alternating rounds in this process, each plan checked against the reference")
     ap.add_argument("--table-slots", default=None,
                     help="with --cuda-builds: comma-separated membership-table slots a list entry to A/B as well "
@@ -109,7 +109,8 @@ def _ab_builds(args, generate, configs) -> int:
     """The CUDA planner built with each of ``--cuda-builds``' settings, timed in alternating rounds."""
     from quilt_attn.ops import cuda_backend
 
-    libs = {b.strip(): cuda_backend.build(defines=() if b.strip() == "base" else (f"-D{b.strip()}",))
+    libs = {b.strip(): cuda_backend.build(defines=() if b.strip() == "base" else
+                                          tuple(f"-D{d}" for d in b.strip().split("+")))
             for b in args.cuda_builds.split(",")}
     default_slots = cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY
     slots = [float(x) for x in args.table_slots.split(",")] if args.table_slots else [default_slots]
