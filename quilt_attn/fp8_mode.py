@@ -446,14 +446,16 @@ def sparse_prefill_fp8_kernel_reference(q: torch.Tensor, cache: torch.Tensor, in
         k_r = kr[idx].double().masked_fill(~ok[..., None], 0.0)
         s = (torch.einsum("nhd,nkd->nhk", qe[a0:a1].double(), k_lat)
              + torch.einsum("nhd,nkd->nhk", qr[a0:a1].double(), k_r)).to(torch.float32)
-        ak = (s * ks[idx][:, None, :]).masked_fill(~ok[:, None, :], float("-inf"))  # a = fl32(S ks)
+        ak = s * ks[idx][:, None, :]  # a = fl32(S ks)
         cc = c[a0:a1][..., None]
-        t = ak * cc  # base-2 logits a c (-inf at ignored entries)
+        # ignored entries are masked after the scale: a negative sm_scale turns a -inf of a into +inf
+        ign = ~ok[:, None, :]
+        t = (ak * cc).masked_fill(ign, float("-inf"))  # base-2 logits a c (-inf at ignored entries)
         y = t + e[idx][:, None, :]
         ym = y.amax(dim=-1)
         empty = ym == float("-inf")
         ref = torch.ceil(ym).masked_fill(empty, 0.0)[..., None]  # M
-        pl = torch.exp2(torch.addcmul(KERNEL_P_OFFSET - ref, ak, cc))  # 2^(a c + 6 - M): 0 at ignored entries
+        pl = torch.exp2(torch.addcmul(KERNEL_P_OFFSET - ref, ak, cc)).masked_fill(ign, 0.0)  # 2^(a c + 6 - M)
         pe = _e4m3(pl * ks[idx][:, None, :]).double()
         l_sum = pl.double().sum(-1).to(torch.float32)
         o = torch.einsum("nhk,nkd->nhd", pe, k_lat).to(torch.float32)

@@ -71,6 +71,8 @@ def quantize_fp8(kv: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"kv must have d_qk = {D_QK} for the FP8 cache, got {kv.shape[1]}")
     s_kv = kv.shape[0]
     out = torch.empty(s_kv, FP8_BYTES, dtype=torch.uint8, device=kv.device)
+    if s_kv == 0:  # (an empty view keeps its strides through .contiguous(), which .view(uint8) refuses)
+        return out
     nope = kv[:, :D_NOPE].float().reshape(s_kv, FP8_NUM_SCALES, FP8_GROUP)
     # the scale comes from the finite values only, so one inf / NaN spoils no other element of its
     # group; a group without a finite nonzero value gets scale 1

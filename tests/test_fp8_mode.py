@@ -418,6 +418,24 @@ def test_kernel_reference_is_close_to_the_exact_path_on_the_cpu():
     assert (got[2] - ref[2])[fin].abs().max() < 0.05
 
 
+@pytest.mark.parametrize("sm_scale", [-0.2, 0.0, 0.3])
+def test_kernel_reference_ignores_invalid_entries_at_any_sm_scale(sm_scale):
+    """Ignored entries (invalid, past topk_length) carry no weight and empty rows stay empty whatever the sign of
+    sm_scale (a negative one once turned the masked logits' -inf into +inf: NaN rows). A list padded with invalid
+    entries gives the list's own result, to float32 summation order."""
+    q, cache, idx = inputs(s_q=4, h=3, s_kv=64, topk=12, seed=21)
+    padded = torch.cat([idx[:, :5], torch.full((4, 3), -1, dtype=torch.int32), idx[:, 5:]], 1)
+    padded[1] = -1  # an empty row
+    lengths = torch.tensor([15, 15, 0, -3], dtype=torch.int32)  # rows 2 and 3 empty by topk_length
+    got = sparse_prefill_fp8_kernel_reference(q, cache, padded, sm_scale, topk_length=lengths)
+    want = sparse_prefill_fp8_kernel_reference(q, cache, idx, sm_scale)
+    empty = torch.tensor([False, True, True, True])
+    assert not got[0].isnan().any() and not got[2].isnan().any()
+    assert (got[0][empty] == 0).all() and (got[1][empty] == float("-inf")).all() and torch.isposinf(got[2][empty]).all()
+    assert torch.allclose(got[0][0], want[0][0], rtol=FP32_ULPS * 64, atol=0)
+    assert torch.allclose(got[2][0], want[2][0], rtol=FP32_ULPS * 64, atol=0)
+
+
 def test_fp8_precision_through_sparse_prefill_reference_method():
     q = randn(4, 8, 576, seed=16, dtype=torch.bfloat16)
     kv = randn(512, 576, seed=17, dtype=torch.bfloat16)

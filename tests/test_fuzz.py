@@ -34,7 +34,7 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import KERNEL_DEVICE, KERNELS_CAN_RUN, TOLERANCES, prefill_kw, rel_l2
+from conftest import FP8_MODE_TOL, KERNEL_DEVICE, KERNELS_CAN_RUN, TOLERANCES, prefill_kw, rel_l2
 from quilt_attn import dequantize_fp8, plan as make_plan, quantize_fp8, sparse_prefill, sparse_prefill_reference
 from quilt_attn.compat import flash_mla_sparse_fwd
 from quilt_attn.planner import member_masks
@@ -108,12 +108,14 @@ def expected(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
     return out, ml, lse
 
 
-def assert_agrees(got, want, dtype, what=""):
+def assert_agrees(got, want, dtype, what="", bounds=None):
     """``got`` = the package's ``(out, max_logits, lse)``, ``want`` = ``expected(...)``.
 
     out: the same NaN elements, the rest finite and within ``TOLERANCES[dtype]`` (elementwise and rel-L2);
     lse: the same NaN / infinities, finite entries within ``stat_atol``; max_logits the same, except where
     the expected max is NaN (a NaN logit): a GPU max may skip the NaN, any value passes there.
+    ``bounds = (out_row, stat)``, float64 ``[s_q, h]`` each, replaces the tolerances' values (not the
+    patterns): a (query, head) row's out within ``out_row`` in L2, its lse and max_logits within ``stat``.
     """
     tol = TOLERANCES[dtype]
     out, ml, lse = (t.detach().cpu() for t in got)
@@ -129,28 +131,60 @@ def assert_agrees(got, want, dtype, what=""):
                            f"expected {float(w_out[bad][0])}")
     fin = ~nan_w
     assert torch.equal(torch.isinf(o[fin]), torch.isinf(w_out[fin])), tag + "out infinities differ"
-    of, wf = o[fin & torch.isfinite(w_out)], w_out[fin & torch.isfinite(w_out)]
-    err = (of - wf).abs()
-    over = err > tol.atol + tol.rtol * wf.abs()
-    assert not over.any(), f"{tag}out: {int(over.sum())} elements out of tolerance, max err {float(err.max()):.3e}"
-    # rel-L2 where the output is not all inside the elementwise atol of 0 (there it means nothing: an output
-    # of ~1e-17 in float64 is 0 in fp16)
-    if of.numel() and float(torch.linalg.vector_norm(wf)) > tol.atol * math.sqrt(wf.numel()):
-        assert rel_l2(of, wf) <= tol.rel_l2, f"{tag}out rel-L2 {rel_l2(of, wf):.3e}"
+    if bounds is not None:
+        good = torch.isfinite(w_out).all(-1)  # rows of finite values
+        d = torch.linalg.vector_norm((o - w_out).masked_fill(~good[..., None], 0.0), dim=-1)
+        over = good & (d > bounds[0])
+        assert not over.any(), (f"{tag}out: {int(over.sum())} (query, head) rows out of their bound, first "
+                                f"{tuple(torch.nonzero(over)[0].tolist())}: L2 err {float(d[over][0]):.3e} > "
+                                f"{float(bounds[0][over][0]):.3e}")
+    else:
+        of, wf = o[fin & torch.isfinite(w_out)], w_out[fin & torch.isfinite(w_out)]
+        err = (of - wf).abs()
+        over = err > tol.atol + tol.rtol * wf.abs()
+        assert not over.any(), f"{tag}out: {int(over.sum())} elements out of tolerance, max err {float(err.max()):.3e}"
+        # rel-L2 where the output is not all inside the elementwise atol of 0 (there it means nothing: an output
+        # of ~1e-17 in float64 is 0 in fp16)
+        if of.numel() and float(torch.linalg.vector_norm(wf)) > tol.atol * math.sqrt(wf.numel()):
+            assert rel_l2(of, wf) <= tol.rel_l2, f"{tag}out rel-L2 {rel_l2(of, wf):.3e}"
     for name, t, r, nan_free in (("lse", lse, w_lse, False), ("max_logits", ml, w_ml, True)):
         t, r = t.double(), in_package_units(r)
+        bound = torch.full_like(r, tol.stat_atol) if bounds is None else bounds[1]
         rn = torch.isnan(r)
         if nan_free:  # a NaN logit: the kernel's max may skip it
-            t, r = t[~rn], r[~rn]
+            t, r, bound = t[~rn], r[~rn], bound[~rn]
         else:
             assert torch.equal(torch.isnan(t), rn), f"{tag}{name}: NaN pattern differs"
-            t, r = t[~rn], r[~rn]
+            t, r, bound = t[~rn], r[~rn], bound[~rn]
         assert torch.equal(torch.isposinf(t), torch.isposinf(r)), f"{tag}{name}: +inf differs"
         assert torch.equal(torch.isneginf(t), torch.isneginf(r)), f"{tag}{name}: -inf differs"
         f = torch.isfinite(r)
         if f.any():
-            d = float((t[f] - r[f]).abs().max())
-            assert d <= tol.stat_atol, f"{tag}{name}: max abs err {d:.3e} > {tol.stat_atol}"
+            d = (t[f] - r[f]).abs()
+            assert (d <= bound[f]).all(), (f"{tag}{name}: max abs err {float(d.max()):.3e} (bound "
+                                           f"{float(bound[f][d.argmax()]):.3e})")
+
+
+def fp8_mode_bounds(q, cache, idx2d, topk_length, sm_scale) -> tuple:
+    """``assert_agrees``' bounds for the FP8 mode's kernel against its emulation on inputs of any size and
+    scale (``FP8_MODE_TOL`` holds on whole tensors of realistic size only). The kernel's FP8 adder keeps ~14
+    bits where the emulation sums exactly (truncating, over 18 chunks of K = 32), so a logit may move by ``2**-8``
+    of its sum of absolute products
+    (here the largest over the selected rows), on top of ``FP8_MODE_TOL.stat_atol``: that bounds lse and
+    max_logits. Weights then move by a factor within ``exp(+-2 stat)``, and such a move can flip one e4m3
+    rounding of a weight of P by one step (``2**-3`` of it); the weights sum to 1 within ``2**-4``. So a row's
+    out moves by at most ``(2**-3 * (1 + 2**-4) + 2 (exp(2 stat) - 1) + 2**-7)`` times the largest selected
+    value row (L2; ``2**-7``: the bf16 store)."""
+    q = q.detach().cpu().double().abs()
+    tl = None if topk_length is None else topk_length.cpu()
+    rows = sorted(selected_rows(idx2d, cache.shape[0], tl))
+    k = decode_fp8(cache.cpu()[rows], torch.float32).abs() if rows else torch.zeros(1, q.shape[2], dtype=torch.float64)
+    scale = abs(q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale))
+    sums = torch.nan_to_num(torch.einsum("shd,rd->shr", q, k).amax(-1), nan=math.inf)
+    stat = FP8_MODE_TOL.stat_atol + 2.0**-8 * scale * sums
+    vmax = float(torch.nan_to_num(torch.linalg.vector_norm(k[:, :512], dim=-1), nan=math.inf).max())
+    out_row = (2.0**-3 * (1 + 2.0**-4) + 2 * torch.expm1(2 * stat) + 2.0**-7) * vmax
+    return out_row, stat
 
 
 def decode_fp8(cache: torch.Tensor, dtype) -> torch.Tensor:
@@ -493,6 +527,41 @@ def test_cuda_backend_fp8_pool_fuzz(c, cap, nan_poison, monkeypatch):
     monkeypatch.setattr(cuda_backend, "FP8_COMPACT_POOL", 0)
     monkeypatch.setattr(cuda_backend, "FP8_COMPACT_ROWS", cap)
     check_case(c, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@fuzz(40)
+@given(c=cases(methods=("quilt", "query_parallel"), faults=False, backend="cuda", dtype=torch.bfloat16,
+               production=True))
+def test_fp8_mode_fuzz(c, nan_poison):
+    """``precision="fp8"`` (the FP8 tensor-core mode) on the same inputs, against the emulation of its arithmetic
+    (``fp8_mode.sparse_prefill_fp8_kernel_reference``, the mode's specification) on the FP8 cache the call
+    runs on (a dense kv quantized by ``quantize_fp8``, as the call does): the same NaN and infinite elements,
+    the rest within ``fp8_mode_bounds``. How far the mode is from the exact definition is test_fp8_mode.py's and
+    BENCHMARKS.md's question; the fuzz asks that it computes what it specifies on every input."""
+    from quilt_attn.fp8_mode import sparse_prefill_fp8_kernel_reference
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 mode runs on sm_90")
+    # A non-finite q is left out: the mode's arithmetic saturates an infinite q value to e4m3's largest, but a
+    # query whose FP8 output holds a NaN is recomputed by the exact repair pass, where it stays infinite, and
+    # which of the two a query gets is not yet specified (found by this fuzz; docs/design-log.md, 2026-12-03).
+    assume(c.note != "q")
+    args = apply_fault(c)
+    args["precision"] = "fp8"
+    if c.plan_kw is not None:
+        args["plan"] = make_plan(c.indices, topk_length=c.topk_length, **c.plan_kw)
+    cache = c.kv if c.kv.dtype == torch.uint8 else quantize_fp8(c.kv_values.to(torch.bfloat16).to(c.q.device))
+    what = (f"fp8 mode {c.method} h={c.q.shape[1]} s_q={c.q.shape[0]} s_kv={c.kv_values.shape[0]} "
+            f"topk={c.idx2d.shape[1]} {c.note} {c.kw} plan={c.plan_kw}")
+    event(f"fp8 mode {c.method}, values {c.note}, kv {c.kv.dtype}")
+    got = call(args)
+    assert got[0].dtype == torch.bfloat16, what
+    want = sparse_prefill_fp8_kernel_reference(c.q.cpu(), cache.cpu(), c.idx2d, c.sm_scale, attn_sink=
+                                               None if c.attn_sink is None else c.attn_sink.cpu(),
+                                               topk_length=None if c.topk_length is None else c.topk_length.cpu())
+    assert_agrees(got, tuple(t.double() for t in want), torch.bfloat16, what,
+                  bounds=fp8_mode_bounds(c.q, cache, c.idx2d, c.topk_length, c.sm_scale))
 
 
 @kernels

@@ -310,3 +310,11 @@ def test_fp8_compaction_widens_the_referenced_rows_and_renumbers_them(packed, mo
         compact_columns(words, s_kv, 0, packed=packed)
     with pytest.raises(ValueError, match="words must be contiguous int32"):
         compact_columns(words.long(), s_kv, 4, packed=packed)
+
+
+def test_quantize_fp8_of_an_empty_strided_view():
+    """No rows in a view whose last dimension is not unit-stride: an empty cache, not a view error (found by the
+    FP8-mode fuzz)."""
+    big = torch.randn(0, 576, 2).to(torch.bfloat16)
+    cache = quantize_fp8(big[..., 0])
+    assert cache.shape == (0, 656) and cache.dtype == torch.uint8
