@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from conftest import FP8_MODE_TOL, KERNEL_DEVICE, KERNELS_CAN_RUN, TOLERANCES, prefill_kw, rel_l2
 from quilt_attn import dequantize_fp8, plan as make_plan, quantize_fp8, sparse_prefill, sparse_prefill_reference
 from quilt_attn.compat import flash_mla_sparse_fwd
+from quilt_attn.fp8_mode import sparse_prefill_fp8_kernel_reference
 from quilt_attn.planner import member_masks
 from quilt_attn.workloads import load_indices, save_indices
 
@@ -168,10 +169,9 @@ def assert_agrees(got, want, dtype, what="", bounds=None):
 def fp8_mode_bounds(q, cache, idx2d, topk_length, sm_scale) -> tuple:
     """``assert_agrees``' bounds for the FP8 mode's kernel against its emulation on inputs of any size and
     scale (``FP8_MODE_TOL`` holds on whole tensors of realistic size only). The kernel's FP8 adder keeps ~14
-    bits where the emulation sums exactly (truncating, over 18 chunks of K = 32), so a logit may move by ``2**-8``
-    of its sum of absolute products
-    (here the largest over the selected rows), on top of ``FP8_MODE_TOL.stat_atol``: that bounds lse and
-    max_logits. Weights then move by a factor within ``exp(+-2 stat)``, and such a move can flip one e4m3
+    bits where the emulation sums exactly (truncating, over 18 chunks of K = 32), so a logit may move by
+    ``2**-8`` of its sum of absolute products (here the largest over the selected rows), on top of
+    ``FP8_MODE_TOL.stat_atol``: that bounds lse and max_logits. Weights then move by a factor within ``exp(+-2 stat)``, and such a move can flip one e4m3
     rounding of a weight of P by one step (``2**-3`` of it); the weights sum to 1 within ``2**-4``. So a row's
     out moves by at most ``(2**-3 * (1 + 2**-4) + 2 (exp(2 stat) - 1) + 2**-7)`` times the largest selected
     value row (L2; ``2**-7``: the bf16 store)."""
@@ -539,8 +539,6 @@ def test_fp8_mode_fuzz(c, nan_poison):
     runs on (a dense kv quantized by ``quantize_fp8``, as the call does): the same NaN and infinite elements,
     the rest within ``fp8_mode_bounds``. How far the mode is from the exact definition is test_fp8_mode.py's and
     BENCHMARKS.md's question; the fuzz asks that it computes what it specifies on every input."""
-    from quilt_attn.fp8_mode import sparse_prefill_fp8_kernel_reference
-
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 mode runs on sm_90")
     # A non-finite q is left out: the mode's arithmetic saturates an infinite q value to e4m3's largest, but a
