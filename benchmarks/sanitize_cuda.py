@@ -6,7 +6,7 @@
 Launches only the sm_90a kernel (plan built by the torch planner on the CPU, so no Triton kernel
 runs under the sanitizer): QUILT with a plan at h=16 and h=3, query-parallel with invalid indices
 and topk_length at h=64, fp16 partial output, the FP8 cache widened in the kernel (QUILT and query-parallel); checks each against the float64 reference (exit 1 above a
-relative L2 error of 1e-2). Then the FP8 tensor-core mode through the public call (``precision="fp8"``: the
+relative L2 error of ``CALL_REL_L2["bf16"]``). Then the FP8 tensor-core mode through the public call (``precision="fp8"``: the
 CUDA planner, q's quantization, the FP8 kernel and its repair pass, all CUDA), checked against its emulation
 (``fp8_mode.sparse_prefill_fp8_kernel_reference``). ``--out``: the rows as JSON (with GPU, commit, versions).
 
@@ -28,6 +28,7 @@ from quilt_attn.fp8_mode import sparse_prefill_fp8_kernel_reference
 from quilt_attn.kv_cache import dequantize_fp8, quantize_fp8
 from quilt_attn.ops import cuda_backend
 from quilt_attn.ops.sparse_attention import program_shape
+from quilt_attn.tolerances import CALL_REL_L2, FP8_MODE_TOL
 from quilt_attn.workloads import generate
 
 # (heads, with a plan, kv dtype, persistent CTAs): None is one an SM, more than this run's work items; fewer make
@@ -36,7 +37,7 @@ CASES = [(16, True, torch.bfloat16, None), (3, True, torch.bfloat16, 2), (64, Fa
          (16, True, torch.float16, 1), (16, True, torch.uint8, 2), (64, False, torch.uint8, 3)]
 # the FP8 tensor-core mode: (heads, method); query programs with topk_length, a QUILT call with an odd head count
 FP8MMA_CASES = [(16, "quilt"), (5, "quilt"), (64, "query_parallel")]
-FP8MMA_REL_L2 = 1.5e-2  # the kernel against its emulation: the tests' bound (FP8_MODE_TOL, tests/conftest.py)
+FP8MMA_REL_L2 = FP8_MODE_TOL.rel_l2  # the kernel against its emulation
 
 
 def main(argv=None, prog=None) -> int:
@@ -141,13 +142,13 @@ def repair_queue_case(idx_cpu, kv) -> dict:
 
 def verdict(rows: list[dict], out: str | None) -> int:
     """A sanitizer case's end: the rows saved to ``out`` (optional), exit 1 if a result was off (relative L2
-    error at or above the row's ``bound``, 1e-2 where it has none, or a NaN), else 0."""
+    error at or above the row's ``bound``, ``CALL_REL_L2["bf16"]`` where it has none, or a NaN), else 0."""
     if out:
         from quilt_bench.bench import save
 
         save(rows, out, {"command": "python " + " ".join(sys.argv)})
     worst = max(r["rel_err"] for r in rows)
-    if any(r["rel_err"] >= r.get("bound", 1e-2) for r in rows) or any(r["nan"] for r in rows):
+    if any(r["rel_err"] >= r.get("bound", CALL_REL_L2["bf16"]) for r in rows) or any(r["nan"] for r in rows):
         print(f"sanitize case FAILED: worst rel-L2 {worst:.2e}")
         return 1
     print("sanitize case OK")

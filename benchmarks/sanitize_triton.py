@@ -6,7 +6,7 @@ Runs ``sparse_prefill(..., backend="triton")`` on production head dims (576 / 51
 its plan (Triton planner), private rows split off, query programs, invalid indices (-1 and past ``s_kv``),
 ``topk_length`` (with values past topk), ``attn_sink``, the FP8 cache read inside the kernel, and NaN in kv rows
 one query selects (its tile partners queued and repaired). Each result is checked against the float64
-reference (exit 1 above a relative L2 error of 1e-2, or on a NaN; the NaN rows' own queries excepted). Outputs start
+reference (exit 1 above a relative L2 error of ``CALL_REL_L2["bf16"]``, or on a NaN; the NaN rows' own queries excepted). Outputs start
 NaN-poisoned inside the call; a read outside ``kv``, the plan or the indices is the sanitizer's to report.
 Without a GPU it runs through Triton's interpreter (slowly, as a smoke test; the interpreter checks nothing of
 memory safety).

@@ -15,12 +15,13 @@ from .cli_args import Progress, UsageError, check_merge_level, interpreting
 from .dispatch import PlanSettings
 from .planner import plan as make_plan
 from .reference import sparse_prefill_reference
+from .tolerances import CALL_REL_L2
 from .workloads import generate
 
 # full size on a GPU; a tiny problem on the CPU (Triton interpreter, 2 cores, seconds)
 DEMO_GPU = dict(s_q=16384, s_kv=65536, topk=2048, heads=16, d_v=512, d_rope=64, dtype="bf16", tile=64)
 DEMO_CPU = dict(s_q=32, s_kv=2048, topk=64, heads=8, d_v=64, d_rope=16, dtype="fp16", tile=16)
-TOLERANCE = {"fp16": 2e-3, "bf16": 1e-2}  # relative L2 error of out against the float32 reference
+TOLERANCE = CALL_REL_L2  # relative L2 error of out against the float32 reference
 
 
 def _check(out, lse, ref_out, ref_lse, tol: float) -> dict:

@@ -98,7 +98,7 @@ from ._checks import (
     require_tensor,
 )
 from .kv_cache import D_NOPE, D_QK, FP8_E4M3_MAX, FP8_GROUP, FP8_NUM_SCALES, canonical_fp8_cache, split_fp8_rows
-from .reference import apply_attn_sink, valid_index_mask
+from .reference import apply_attn_sink, sparse_prefill_reference, valid_index_mask
 
 Q_GRANULARITIES = ("token_head", "token_head_block", "token_head_2term", "bf16")
 P_GRANULARITIES = ("row_block", "row")
@@ -358,7 +358,8 @@ def sparse_prefill_fp8_reference(
 # a one-pass Hopper kernel at the bf16 kernel's program shape (docs/fp8-mode.md, section 5):
 #
 # 1. q: one e4m3 term a (query, head), ``qs = pow2up(fl32(amax / 448))`` (the smallest power of two >= it, from
-#    the float32 bits; 1 without a finite nonzero latent value), ``Qe = e4m3(q / qs)``, rope ``Qr = bf16(q_r / qs)``.
+#    the float32 bits; 1 without a nonzero latent value; NaN when any of the row's 576 values is not finite),
+#    ``Qe = e4m3(q / qs)``, rope ``Qr = bf16(q_r / qs)``.
 # 2. One scale a cache row: ``ks = max_b ks[r, b]`` (1 when all four are 0, NaN when one is), its latent
 #    ``Ke'[c] = e4m3(Ke[c] * fl32(ks[r, b] / ks))`` (exact for power-of-two scales, but for values that fall
 #    into e4m3's subnormals), rope ``Kr' = bf16(Kr / ks)``.
@@ -368,6 +369,12 @@ def sparse_prefill_fp8_reference(
 #    ``ceil(max y)``; ``P_l = 2^(a c + 6 - M)``, ``P' = fl32(P_l ks)`` (V's scale folded into P), ``Pe = e4m3(P')``;
 #    ``l = sum P_l``; ``O = sum_r Pe Ke'[r, :512]``; ``out = O / l``, ``lse = (M - 6 + log2 l) ln 2``,
 #    ``max_logits = max(a c) ln 2``.
+# 5. A query whose ``out`` holds a NaN in any head gets the exact path's result in all its heads (the call's
+#    repair pass recomputes it over its own rows in bf16): a non-finite q value (``qs`` NaN) takes this route,
+#    so such a query gets what the exact path gives it, not a saturated e4m3 value; so does a NaN from a
+#    selected row's non-finite value. (In a QUILT tile a partner's non-finite row can also leave a NaN in a
+#    query's output; the repair gives that query the exact path's result too, which the emulation, query by
+#    query, cannot see: there the two differ by the mode's error.)
 #
 # Kernel freedom: the kernel's reference is any integer with ``max y - 2 <= M``, so its ``P'`` is the
 # emulation's times a power of two: the same e4m3 value wherever both are normal (>= 2^-6); the order and
@@ -391,6 +398,7 @@ def kernel_quantize_q(q: torch.Tensor):
     x = q[..., :D_NOPE].to(torch.float32)
     amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=-1)
     qs = torch.where(amax > 0, _pow2_up(amax / FP8_E4M3_MAX), 1.0)
+    qs = qs.masked_fill(~torch.isfinite(q).all(dim=-1), float("nan"))  # (step 5: the exact path's result)
     qe = _e4m3(x / qs[..., None])
     qr = (q[..., D_NOPE:].to(torch.float32) / qs[..., None]).to(torch.bfloat16)
     return qe, qr, qs
@@ -467,4 +475,10 @@ def sparse_prefill_fp8_kernel_reference(q: torch.Tensor, cache: torch.Tensor, in
         out[a0:a1] = o
         max_logits[a0:a1] = (t.amax(dim=-1) * LN2).masked_fill(empty, float("-inf"))
         lse[a0:a1] = l_e
+    redo = out.isnan().flatten(1).any(dim=1).nonzero()[:, 0]  # step 5
+    if redo.numel():
+        exact = sparse_prefill_reference(q[redo], cache, indices[redo], scale,
+                                         attn_sink=None if attn_sink is None else attn_sink.cpu(),
+                                         topk_length=None if topk_length is None else topk_length.cpu()[redo])
+        out[redo], max_logits[redo], lse[redo] = (t.to(torch.float32).cpu() for t in exact)
     return out.to(dev), max_logits.to(dev), lse.to(dev)

@@ -378,15 +378,42 @@ from quilt_attn.fp8_mode import (  # noqa: E402
 
 def test_kernel_q_scale_is_the_power_of_two_above_amax_over_448():
     q = randn(8, 4, 576, seed=11, dtype=torch.bfloat16) * 3
-    q[0, 0, 7] = float("inf")  # not finite: left out of the amax, saturates
+    q[0, 0, 7] = float("inf")  # a non-finite value anywhere in the row: scale NaN (step 5, the exact path)
+    q[2, 3, 530] = float("nan")
     q[1, 1, :512] = 0.0  # no nonzero value: scale 1
     qe, qr, qs = kernel_quantize_q(q)
-    amax = torch.where(torch.isfinite(q[..., :512].float()), q[..., :512].float().abs(), 0.0).amax(-1)
+    bad = torch.zeros(8, 4, dtype=torch.bool)
+    bad[0, 0] = bad[2, 3] = True
+    assert torch.equal(qs.isnan(), bad)
+    qs, qe, qr, q = qs[~bad], qe[~bad], qr[~bad], q[~bad]
+    amax = q[..., :512].float().abs().amax(-1)
     assert torch.equal(torch.exp2(torch.round(torch.log2(qs))), qs)  # powers of two
     ok = amax > 0
     assert (qs[ok] >= amax[ok] / 448).all() and (qs[ok] / 2 < amax[ok] / 448).all()
-    assert qs[1, 1] == 1.0 and qe[0, 0, 7] == 448.0 and qe.abs().max() <= 448
+    assert (qs[~ok] == 1.0).all() and (~ok).sum() == 1 and qe.abs().max() <= 448
     assert torch.equal(qr.float() * qs[..., None], q[..., 512:].float())  # the rope exactly, divided by qs
+
+
+@pytest.mark.parametrize("where", [7, 530])  # a latent value, a rope value
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_kernel_reference_gives_a_non_finite_q_query_the_exact_result(where, value):
+    """A query with a non-finite q value in one head gets the exact path's result in every head (step 5:
+    the repair pass), the other queries the mode's own."""
+    q, cache, idx = inputs(s_q=6, h=3, s_kv=64, topk=12, seed=23)
+    q = q.clone()
+    q[2, 1, where] = value
+    sink = randn(3, seed=24, dtype=torch.float32)
+    got = sparse_prefill_fp8_kernel_reference(q, cache, idx, attn_sink=sink)
+    exact = sparse_prefill_reference(q[2:3], cache, idx[2:3], attn_sink=sink)
+
+    def same(a, b):  # equal, NaN where NaN
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+    assert all(same(a[2], b[0].float()) for a, b in zip(got, exact))
+    assert exact[0][0, 1].isnan().any() and not exact[0][0, 0].isnan().any()  # (the case means something)
+    others = torch.tensor([0, 1, 3, 4, 5])
+    mine = sparse_prefill_fp8_kernel_reference(q[others], cache, idx[others], attn_sink=sink)
+    assert all(torch.equal(a[others], b) for a, b in zip(got, mine))
 
 
 def test_kernel_rows_keep_a_row_with_one_scale_exactly():
@@ -502,6 +529,36 @@ def test_fp8_mode_kernel_matches_its_emulation(h, method, workload, extras, nan_
     assert (out[empty] == 0).all()
     exact = sparse_prefill_reference(q, dequantize_fp8(cache), idx, **kw)
     assert rel_l2(out, exact[0]) < FP8_MODE_VS_EXACT_REL_L2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["quilt", "query_parallel"])
+def test_fp8_mode_gives_a_non_finite_q_query_the_exact_result(method, nan_poison):
+    """The kernel follows step 5: the queries with a non-finite q value come back as the exact path gives them
+    (bf16 tolerance of the float64 reference, NaN where it has NaN), the others as the mode's emulation."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 mode runs on sm_90")
+    q, cache, idx = _fp8_case(16, 96, 1024, "glm53-like", seed=6)
+    q = q.clone()
+    q[5, 3, 100] = float("inf")
+    q[6, 0, 540] = float("-inf")  # its group partner (rope)
+    q[40, 15, 0] = float("nan")
+    bad = torch.tensor([5, 6, 40])
+    got = [t.cpu() for t in sparse_prefill(q, cache, idx, precision="fp8", method=method)]
+    want = sparse_prefill_fp8_kernel_reference(q, cache, idx)
+    exact = [t.cpu() for t in sparse_prefill_reference(q[bad], cache, idx[bad])]
+    tol = TOLERANCES[torch.bfloat16]
+    for i in (0, 2):  # out, lse (a GPU max may skip a NaN logit: max_logits' NaN are not compared)
+        g, e = got[i][bad].double(), exact[i].double()
+        assert torch.equal(g.isnan(), e.isnan()) and torch.equal(want[i][bad].isnan(), e.isnan())
+        assert e.isnan().any() and not e.isnan().all()  # (the case means something)
+        ok = e.isfinite()
+        assert torch.equal(g.isinf(), e.isinf())
+        assert ((g - e).abs()[ok] <= (tol.atol + tol.rtol * e.abs())[ok] if i == 0 else
+                (g - e).abs()[ok] <= tol.stat_atol).all()
+    keep = torch.ones(96, dtype=torch.bool)
+    keep[bad] = False
+    assert not got[0][keep].isnan().any() and rel_l2(got[0][keep], want[0][keep]) < FP8_MODE_TOL.rel_l2
 
 
 @pytest.mark.gpu

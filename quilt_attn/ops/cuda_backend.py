@@ -467,7 +467,8 @@ FP8_Q_BYTES = 640  # a row of quantize_q_fp8: 512 e4m3 latent values, 64 bf16 ro
 def quantize_q_fp8(q: torch.Tensor):
     """q for the FP8 mode (``fp8_mode.kernel_quantize_q``'s arithmetic, on the GPU, one warp a (query, head)):
     ``q [s_q, h, 576]`` bf16 -> (rows ``uint8 [s_q, h, 640]``: the e4m3 latent of ``q / qs`` and the bf16 rope
-    ``q_r / qs``; ``qs`` float32 ``[s_q, h]``, a power of two a (query, head))."""
+    ``q_r / qs``; ``qs`` float32 ``[s_q, h]``, a power of two a (query, head), NaN for a row with a non-finite
+    value)."""
     if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != D_QK:
         raise ValueError(f"the FP8 mode quantizes bf16 q [s_q, h, {D_QK}], got {q.dtype} {tuple(q.shape)}")
     q = aligned_16(q)
@@ -579,14 +580,17 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
 def launch_fp8mma(q, cache, sm_scale, d_v, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
                   attn_sink=None) -> None:
     """The FP8 tensor-core mode (``precision="fp8"``): q quantized (``quantize_q_fp8``), then the kernel over the
-    plan's tiles (with the repair pass: a query whose output a partner's non-finite row spoiled is recomputed by
-    the exact query pass) or, without a plan, query by query. Not for split-private plans (no partial state)."""
-    from .sparse_attention import run_plan_passes
+    plan's tiles or, without a plan, query by query; then the repair pass: a query whose output holds a NaN (a
+    non-finite q value, a selected row's non-finite value, or in a tile a partner's) is recomputed by the exact
+    query pass (``fp8_mode``, step 5). Not for split-private plans (no partial state)."""
+    from .sparse_attention import repair_buffer, run_plan_passes
 
     qf8, qs = quantize_q_fp8(q)
     if plan is None:
+        repair = repair_buffer(q.shape[0], q.device)
         launch(qf8, cache, sm_scale, out, max_logits, lse, indices=indices, topk_length=topk_length,
-               attn_sink=attn_sink, q_scale=qs)
+               attn_sink=attn_sink, q_scale=qs, repair=repair)
+        _repair_pass(q, cache, sm_scale, attn_sink)(out, max_logits, lse, indices, topk_length, repair)
         return
     if plan.split_private:
         raise ValueError("precision='fp8' runs plans whose private rows stay in the tiles (split_private=False; "

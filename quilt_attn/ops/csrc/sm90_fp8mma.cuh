@@ -651,8 +651,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
 }
 
 // q [s_q, h, 576] bf16 -> rows of 640 bytes (512 e4m3 latent values of q / qs, 64 bf16 rope values q / qs) and
-// qs [s_q, h], the smallest power of two >= fl32(amax / 448) of the row's finite latent values (1 without one):
-// one warp a (query, head), 16 latent values and 2 rope values a lane
+// qs [s_q, h], the smallest power of two >= fl32(amax / 448) of the row's latent values (1 without a nonzero
+// one); NaN for a row holding a non-finite value, whose outputs then hold NaN, so that the repair pass gives its
+// query the exact path's result (fp8_mode.py, step 5): one warp a (query, head), 16 latent values and 2 rope
+// values a lane
 __global__ void quantize_q(const __nv_bfloat16* q, long long sqs, long long sqh, int s_q, int h, uint8_t* out,
                            float* scale) {
   const long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -672,23 +674,26 @@ __global__ void quantize_q(const __nv_bfloat16* q, long long sqs, long long sqh,
     x[2 * i] = v.x;
     x[2 * i + 1] = v.y;
   }
-  float amax = 0.f;
+  const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&rope));
+  // |x| bits: their max is a finite value's unless the row holds an inf or a NaN (bits: fast math cannot drop it)
+  uint32_t bmax = max(__float_as_uint(r.x) & 0x7fffffffu, __float_as_uint(r.y) & 0x7fffffffu), lat = 0;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t b = __float_as_uint(x[i]) & 0x7fffffffu;
-    if (b < 0x7f800000u) amax = fmaxf(amax, __uint_as_float(b));  // finite values only
+  for (int i = 0; i < 16; ++i) lat = max(lat, __float_as_uint(x[i]) & 0x7fffffffu);
+  bmax = max(bmax, lat);
+#pragma unroll
+  for (int d = 16; d >= 1; d /= 2) {
+    lat = max(lat, __shfl_xor_sync(0xffffffff, lat, d));
+    bmax = max(bmax, __shfl_xor_sync(0xffffffff, bmax, d));
   }
-#pragma unroll
-  for (int d = 16; d >= 1; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, d));
-  const float v = __fdiv_rn(amax, 448.f);
-  const float qs = amax > 0.f ? __uint_as_float((__float_as_uint(v) + 0x7FFFFFu) & 0x7F800000u) : 1.f;
+  const float v = __fdiv_rn(__uint_as_float(lat), 448.f);
+  const float qs = bmax >= 0x7f800000u ? __int_as_float(0x7fc00000)
+                   : lat > 0 ? __uint_as_float((__float_as_uint(v) + 0x7FFFFFu) & 0x7F800000u) : 1.f;
   const float inv = __frcp_rn(qs);  // (a power of two: exact)
   uint32_t e[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) e[i] = e4m3x4(x[4 * i] * inv, x[4 * i + 1] * inv, x[4 * i + 2] * inv, x[4 * i + 3] * inv);
   uint8_t* dst = out + row * kQRowBytes;
   *reinterpret_cast<uint4*>(dst + 16 * lane) = make_uint4(e[0], e[1], e[2], e[3]);
-  const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&rope));
   __nv_bfloat162 rb = __floats2bfloat162_rn(r.x * inv, r.y * inv);
   *reinterpret_cast<uint32_t*>(dst + 512 + 4 * lane) = *reinterpret_cast<uint32_t*>(&rb);
   if (lane == 0) scale[row] = qs;
