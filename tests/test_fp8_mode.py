@@ -545,7 +545,7 @@ def test_fp8_mode_gives_a_non_finite_q_query_the_exact_result(method, nan_poison
     q[40, 15, 0] = float("nan")
     bad = torch.tensor([5, 6, 40])
     got = [t.cpu() for t in sparse_prefill(q, cache, idx, precision="fp8", method=method)]
-    want = sparse_prefill_fp8_kernel_reference(q, cache, idx)
+    want = [t.cpu() for t in sparse_prefill_fp8_kernel_reference(q, cache, idx)]
     exact = [t.cpu() for t in sparse_prefill_reference(q[bad], cache, idx[bad])]
     tol = TOLERANCES[torch.bfloat16]
     for i in (0, 2):  # out, lse (a GPU max may skip a NaN logit: max_logits' NaN are not compared)
