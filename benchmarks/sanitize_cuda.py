@@ -35,8 +35,10 @@ from quilt_attn.workloads import generate
 # each CTA run several programs, the hand-over between them included; uint8 is the FP8 cache widened in the kernel
 CASES = [(16, True, torch.bfloat16, None), (3, True, torch.bfloat16, 2), (64, False, torch.bfloat16, 3),
          (16, True, torch.float16, 1), (16, True, torch.uint8, 2), (64, False, torch.uint8, 3)]
-# the FP8 tensor-core mode: (heads, method); query programs with topk_length, a QUILT call with an odd head count
-FP8MMA_CASES = [(16, "quilt"), (5, "quilt"), (64, "query_parallel")]
+# the FP8 tensor-core mode: (heads, method, non-finite q values); query programs with topk_length, a QUILT call
+# with an odd head count, and non-finite q values (their queries recomputed by the exact repair pass)
+FP8MMA_CASES = [(16, "quilt", False), (5, "quilt", False), (64, "query_parallel", False), (16, "quilt", True),
+                (64, "query_parallel", True)]
 FP8MMA_REL_L2 = FP8_MODE_TOL.rel_l2  # the kernel against its emulation
 
 
@@ -81,27 +83,34 @@ def main(argv=None, prog=None) -> int:
                          strict_sync=a.strict_sync))
         print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} kv {str(kv_dtype):<15} rel-L2 {err:.2e}  nan={nan}")
     rows.append(repair_queue_case(idx_cpu, kv))
-    rows += [fp8mma_case(h, method, idx, cache) for h, method in FP8MMA_CASES]
+    rows += [fp8mma_case(h, method, idx, cache, nonfinite) for h, method, nonfinite in FP8MMA_CASES]
     return verdict(rows, a.out)
 
 
-def fp8mma_case(h: int, method: str, idx, cache) -> dict:
+def fp8mma_case(h: int, method: str, idx, cache, nonfinite: bool = False) -> dict:
     """``sparse_prefill(precision="fp8")`` at ``h`` heads against the emulation of its arithmetic (NaN-poisoned
-    outputs are the call's own: it allocates them)."""
+    outputs are the call's own: it allocates them): rel-L2 over the elements the emulation has finite, and
+    ``nan`` when out's or lse's NaN differ from the emulation's. ``nonfinite``: an inf in one (query, head)'s
+    latent and a NaN in another's rope (the emulation's NaN rows: the exact path's, step 5)."""
     s_q, topk = idx.shape
     q = torch.randn(s_q, h, 576, dtype=torch.bfloat16, device="cuda")
+    if nonfinite:
+        q[1, 0, 3], q[2, h - 1, 520] = float("inf"), float("nan")
     lengths = None
     if method == "query_parallel":
         lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32, device="cuda")
     out, ml, lse = sparse_prefill(q, cache, idx, 576**-0.5, precision="fp8", method=method, topk_length=lengths)
     torch.cuda.synchronize()
-    want, _, _ = sparse_prefill_fp8_kernel_reference(q.cpu(), cache.cpu(), idx.cpu(), 576**-0.5,
-                                                      topk_length=None if lengths is None else lengths.cpu())
-    err = float((out.cpu().double() - want.double()).norm() / want.double().norm())
-    nan = bool(out.isnan().any() or lse.isnan().any())
-    print(f"fp8 mode h={h:<3} {method:<15} rel-L2 against its emulation {err:.2e}  nan={nan}")
+    want, _, want_lse = sparse_prefill_fp8_kernel_reference(q.cpu(), cache.cpu(), idx.cpu(), 576**-0.5,
+                                                             topk_length=None if lengths is None else lengths.cpu())
+    o, w = out.cpu().double(), want.double()
+    fin = w.isfinite()
+    err = float((o - w)[fin].norm() / w[fin].norm())
+    nan = not (torch.equal(o.isnan(), w.isnan()) and torch.equal(lse.cpu().isnan(), want_lse.isnan()))
+    print(f"fp8 mode h={h:<3} {method:<15} non-finite q {nonfinite!s:<5} rel-L2 against its emulation {err:.2e}  "
+          f"NaN differ={nan}")
     return dict(h=h, plan=method == "quilt", dtype="bfloat16", kv="fp8 cache, precision=fp8", ctas=None,
-                rel_err=err, nan=nan, strict_sync=False, bound=FP8MMA_REL_L2)
+                rel_err=err, nan=nan, strict_sync=False, bound=FP8MMA_REL_L2, nonfinite_q=nonfinite)
 
 
 def torch_plan_on_gpu(idx_cpu, s_kv: int, h: int):
