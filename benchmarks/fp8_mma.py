@@ -18,6 +18,14 @@ accuracy, BENCHMARKS.md), and the call's extra device memory is recorded.
 of the cache whose four block scales a row are set to their max: no re-rounding, other values); and
 ``no-transform`` (a build with ``-DQUILT_F8_SKIP_TRANSFORM``: the producer's transform left out, results
 invalid, so unchecked). The full launch's output is checked as above.
+
+``--against DIR``: a change to the kernel judged against an earlier build, launches only, interleaved in one
+process: ``DIR`` holds the earlier ``csrc`` (e.g. ``git archive HEAD quilt_attn/ops/csrc``), built beside the
+package's own. Two caches: ``gauss`` (N(0, 1) rows) and ``channels`` (each column times a log-normal factor,
+sigma 1, so a row's four block scales differ as real activations' do). Each build's outputs are compared bit
+for bit with the other's, and the package's against the float32 reference.
+
+    python benchmarks/run.py fp8-mma --out F --against DIR [--heads 16,64]
 """
 from __future__ import annotations
 
@@ -110,6 +118,54 @@ def run_ablation(h: int, s_q: int, s_kv: int, topk: int, workload: str, rounds: 
                  **(chk if n == "full" else {"checked": False})) for n, ts in times.items()]
 
 
+def run_against(h: int, s_q: int, s_kv: int, topk: int, workload: str, rounds: int, warmup: int, rep: int,
+                base_dir: str) -> list:
+    from pathlib import Path
+
+    from quilt_attn.ops.sparse_attention import alloc_outputs
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(11)
+    qp = not dispatch.decide("cuda", "quilt", h).quilt
+    idx = generate(workload, s_q, s_kv, topk, seed=0, device=dev)
+    q = torch.randn(s_q, h, D_QK, device=dev, dtype=torch.bfloat16, generator=gen)
+    rows = torch.randn(s_kv, D_QK, device=dev, generator=gen)
+    chan = torch.exp(torch.randn(D_QK, device=dev, generator=gen))
+    caches = {"gauss": quantize_fp8(rows.bfloat16()), "channels": quantize_fp8((rows * chan).bfloat16())}
+    plan = None if qp else quilt_attn.plan(idx, s_kv=s_kv, **dispatch.plan_settings(h, "cuda"))
+    kw = dict(indices=idx) if qp else dict(plan=plan)
+    qf8, qs = cuda_backend.quantize_q_fp8(q)
+    base = Path(base_dir)
+    libs = {"base": cuda_backend.build(units=tuple(base / u for u in cuda_backend.UNITS), name="quilt_sm90_base"),
+            "new": None}
+    outs = {}
+
+    def variant(lib, c, res):
+        def f():
+            cuda_backend.use_library(lib)
+            cuda_backend.launch(qf8, c, D_QK ** -0.5, *res, q_scale=qs, **kw)
+        return f
+
+    fns, checks = {}, {}
+    rows_chk = torch.randperm(s_q, generator=torch.Generator().manual_seed(3))[:256].to(dev)
+    for cname, c in caches.items():
+        got = {}
+        for lname, lib in libs.items():
+            res = alloc_outputs(q, D_V)
+            for t in res:
+                t.fill_(float("nan"))
+            variant(lib, c, res)()
+            got[lname] = res
+            fns[f"{lname}-{cname}"] = variant(lib, c, res)
+        same = all(torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0)) for a, b in zip(got["base"], got["new"]))
+        checks[cname] = dict(check(*got["new"], q, dequantize_fp8(c), idx, rows_chk, natural=False), bit_equal=same)
+    times = bench.interleaved_rounds(fns, rounds, warmup=warmup, rep=rep)
+    cuda_backend.use_library(None)
+    return [dict(method=n, h=h, path="query_parallel" if qp else "quilt", s_q=s_q, s_kv=s_kv, topk=topk,
+                 workload=workload, precision="fp8", ms=statistics.median(ts), round_ms=ts,
+                 **checks[n.split("-", 1)[1]]) for n, ts in times.items()]
+
+
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -122,8 +178,22 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rep", type=int, default=20)
     p.add_argument("--ablation", action="store_true", help="launch-only variants: where the time goes")
+    p.add_argument("--against", metavar="DIR", help="an earlier csrc to A/B the kernel against")
     a = p.parse_args(argv)
     rows = []
+    if a.against:
+        print("| h | cache | base ms | new ms | new / base | bit-equal | rel_err new |", flush=True)
+        print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+        for h in (int(x) for x in a.heads.split(",")):
+            got = {r["method"]: r for r in run_against(h, a.s_q, a.s_kv, a.topk, a.workload, a.rounds, a.warmup,
+                                                       a.rep, a.against)}
+            rows += got.values()
+            for c in ("gauss", "channels"):
+                b, n = got[f"base-{c}"], got[f"new-{c}"]
+                print(f"| {h} | {c} | {b['ms']:.3f} | {n['ms']:.3f} | {n['ms'] / b['ms']:.3f} | {n['bit_equal']} | "
+                      f"{n['rel_err']:.1e} |", flush=True)
+            bench.save(rows, a.out)
+        return 0
     if a.ablation:
         print("| h | full ms | one-scale rows ms | no transform ms | rel_err full |", flush=True)
         print("| --- | --- | --- | --- | --- |", flush=True)
