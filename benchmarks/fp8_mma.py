@@ -138,7 +138,6 @@ def run_against(h: int, s_q: int, s_kv: int, topk: int, workload: str, rounds: i
     base = Path(base_dir)
     libs = {"base": cuda_backend.build(units=tuple(base / u for u in cuda_backend.UNITS), name="quilt_sm90_base"),
             "new": None}
-    outs = {}
 
     def variant(lib, c, res):
         def f():
