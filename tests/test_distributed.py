@@ -6,8 +6,9 @@ Shards and the fetch rule are plain functions (no processes). The CP runs start 
 the Triton interpreter (``TRITON_INTERPRET=1`` inherited; tiny fp16 shapes, d_qk 48 = 32 + 16, d_v 32, tile
 16) and, marked ``gpu`` (skipped below 2 GPUs), NCCL at the production width in bf16. Every rank's result
 is compared with the one-process ``sparse_prefill``: bit for bit where the arithmetic is the same (zigzag
-shards in both fetch modes; a round-robin rank against the one-process call on the same queries; head
-shards whose plan equals the unsharded one), and every element against the float64 reference within
+shards in both fetch modes; a round-robin rank against the one-process call on the same queries), within
+float32 roundings for head shards whose plan equals the unsharded one (their products have other shapes:
+``tolerances.SHAPE_ROUNDING``), and every element against the float64 reference within
 ``conftest.TOLERANCES``. Worker outputs are allocated NaN-poisoned.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import HAS_CUDA, assert_matches_reference, prefill_kw, randn
+from quilt_attn.tolerances import SHAPE_ROUNDING, TOLERANCES
 from quilt_attn.distributed import (
     FETCH_FACTOR,
     choose_fetch,
@@ -427,8 +429,11 @@ def _check_cp(W: int, backend: str, tmp: Path, timeout: float) -> None:
                                 plan_ahead(idx[:n], sl.stop - sl.start, s_kv=s_kv, **pkw).wait())
         if dev.type == "cpu":  # 4 heads over 2 or 4 ranks: the same default plan (group 8, merge level 8)
             assert same_plan, f"tp rank {r}/{W}: its default plan differs from the unsharded call's"
+            # (the shard's programs are narrower: its products' float32 roundings may differ, SHAPE_ROUNDING)
             for w, g, what in zip(want, got, ("out", "max_logits", "lse")):
-                assert torch.equal(g, w), f"tp rank {r}/{W}: {what} differs from the unsharded call (same plan)"
+                tol = TOLERANCES[g.dtype] if what == "out" else SHAPE_ROUNDING
+                torch.testing.assert_close(g, w, rtol=tol.rtol, atol=tol.atol, msg=lambda m, what=what, r=r, W=W:
+                                           f"tp rank {r}/{W}: {what} differs from the unsharded call (same plan): {m}")
 
 
 @pytest.mark.interpret
