@@ -47,7 +47,7 @@ import pytest
 import torch
 from hypothesis import settings as _hyp_settings
 
-from quilt_attn.tolerances import FP8_MODE_TOL, FP8_MODE_VS_EXACT_REL_L2, TOLERANCES, Tol  # noqa: F401  (for the tests)
+from quilt_attn.tolerances import FP8_MODE_TOL, FP8_MODE_VS_EXACT_REL_L2, SHAPE_ROUNDING, TOLERANCES, Tol  # noqa: F401  (for the tests)
 from quilt_attn.workloads import indexer_aligned_inputs  # noqa: F401  (re-exported for the tests)
 
 HAS_CUDA = torch.cuda.is_available()
