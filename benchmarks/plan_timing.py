@@ -13,6 +13,7 @@ than L2) are built outside the timed region.
 
     python benchmarks/run.py plan-timing --out PLAN.json [--workloads glm53-like,random] [--torch]
     python benchmarks/run.py plan-timing --out /tmp/p.json --device cpu --s-q 256 --s-kv 4096 --topk 128
+    python benchmarks/run.py plan-timing --out AB.json --against OLD_CSRC --configs h8,h16-cuda,h32-cuda
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--table-slots", default=None,
                     help="with --cuda-builds: comma-separated membership-table slots a list entry to A/B as well "
                          "(cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY, e.g. 1.5,1.75)")
+    ap.add_argument("--against", metavar="DIR", default=None,
+                    help="A/B the package's CUDA planner against an earlier csrc (built beside it as 'base'), timed "
+                         "in alternating rounds as --cuda-builds")
     ap.add_argument("--configs", default=None, help="comma-separated labels of CONFIGS (default all)")
     args = ap.parse_args(argv)
     from quilt_attn.workloads import generate
@@ -58,7 +62,7 @@ def main(argv=None, prog=None) -> int:
         print("no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
     configs = [c for c in CONFIGS if args.configs is None or c[0] in args.configs.split(",")]
-    if args.cuda_builds:
+    if args.cuda_builds or args.against:
         return _ab_builds(args, generate, configs)
     cuda = args.device == "cuda"
     if cuda:
@@ -106,12 +110,20 @@ def main(argv=None, prog=None) -> int:
 
 
 def _ab_builds(args, generate, configs) -> int:
-    """The CUDA planner built with each of ``--cuda-builds``' settings, timed in alternating rounds."""
+    """The CUDA planner built with each of ``--cuda-builds``' settings (or ``--against``'s csrc and the package's),
+    timed in alternating rounds."""
+    from pathlib import Path
+
     from quilt_attn.ops import cuda_backend
 
-    libs = {b.strip(): cuda_backend.build(defines=() if b.strip() == "base" else
-                                          tuple(f"-D{d}" for d in b.strip().split("+")))
-            for b in args.cuda_builds.split(",")}
+    if args.against:
+        base = Path(args.against)
+        libs = {"base": cuda_backend.build(units=tuple(base / u for u in cuda_backend.UNITS), name="quilt_sm90_base"),
+                "new": cuda_backend.build()}
+    else:
+        libs = {b.strip(): cuda_backend.build(defines=() if b.strip() == "base" else
+                                              tuple(f"-D{d}" for d in b.strip().split("+")))
+                for b in args.cuda_builds.split(",")}
     default_slots = cuda_backend.PLAN_TABLE_SLOTS_PER_ENTRY
     slots = [float(x) for x in args.table_slots.split(",")] if args.table_slots else [default_slots]
     builds = [(b, sl) for b in libs for sl in slots]  # variants: (build, table slots an entry)

@@ -63,7 +63,8 @@ struct PlanParams {
 
 constexpr int kEpt = 16;          // list entries a thread
 constexpr int kMaxThreads = 1024;
-// An entry's reference once its row is in the table: the slot, kDup for a repeated (query, row), -1 invalid.
+// An entry's reference once its row is in the table: the slot, kDup for a repeated (query, row); an invalid
+// entry's is the spare slot nslots, whose member byte stays 0, so every lookup is one load without a branch.
 constexpr int kDup = 1 << 15;
 constexpr int kSlotMask = kDup - 1;
 constexpr int kPackShift = 24;    // packed column words: row | member bits << 24
@@ -105,11 +106,11 @@ __device__ __forceinline__ void load_rows(const int4* src, int (&r)[kEpt]) {
     r[4 * i] = v.x, r[4 * i + 1] = v.y, r[4 * i + 2] = v.z, r[4 * i + 3] = v.w;
   }
 }
-// member bits of an entry: its slot's byte, its own bit alone for a repeat, 0 for an invalid entry (which
-// reads the spare byte at slot nslots, never set, so no branch skips the load)
-__device__ __forceinline__ unsigned mask_at(const unsigned char* tab, int ref, int spare, unsigned own) {
-  const unsigned m = tab[ref < 0 ? spare : (ref & kSlotMask)];
-  return ref < 0 ? 0u : (ref & kDup) ? own : m;
+// member bits of an entry: its slot's byte, its own bit alone for a repeat, 0 for an invalid entry (the
+// spare byte at slot nslots, never set)
+__device__ __forceinline__ unsigned mask_at(const unsigned char* tab, int ref, unsigned own) {
+  const unsigned m = tab[ref & kSlotMask];
+  return (ref & kDup) ? own : m;
 }
 
 // The membership table: keys hold row + 1 (0: empty); home slot by a multiplicative hash scaled to nslots.
@@ -144,8 +145,7 @@ __device__ __forceinline__ void put_column(int* kv_out, int* mask_out, const uns
 template <int kH>
 __device__ __forceinline__ int ref_of(int raw, int h) {
   if constexpr (kH == 1) return raw;
-  const int v = (raw >> (16 * h)) & 0xFFFF;
-  return v == 0xFFFF ? -1 : v;
+  return (raw >> (16 * h)) & 0xFFFF;
 }
 template <int kH>
 __device__ __forceinline__ void load_refs(const int4* src, int h, int (&r)[kEpt]) {
@@ -326,11 +326,15 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
     unsigned coll = 0u;  // entries whose home slot holds another row
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // first probes, independent of each other and branch-free: an
-      // invalid entry writes the spare key at slot nslot, which no probe and no column reads
+      // invalid entry writes the spare key at slot nslot, which no probe and no column reads. From here an
+      // entry holds its slot, or its key (row + 1) while it still collides.
       const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
       const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
-      const unsigned w = atomicCAS(hkeys + (ok ? row_home(key, nslot) : static_cast<unsigned>(nslot)), 0u, key);
-      coll |= static_cast<unsigned>(ok && w != 0u && w != key) << i;
+      const unsigned home = ok ? row_home(key, nslot) : static_cast<unsigned>(nslot);
+      const unsigned w = atomicCAS(hkeys + home, 0u, key);
+      const bool cl = ok && w != 0u && w != key;
+      coll |= static_cast<unsigned>(cl) << i;
+      ent[h][i] = static_cast<int>(cl ? key : home);
     }
     // The warp's colliding entries are probed by all its lanes at once, from a list in the warp's part of
     // the rows area (free until the references are stored below; 16 ints a lane, as many as a lane's
@@ -348,10 +352,10 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       const int total = __shfl_sync(0xFFFFFFFFu, off, 31);
       off -= mine;
       if (total != 0) {  // (warp-uniform)
-        int o = off;
+        unsigned* wp = wl + off;
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) {
-          if ((coll >> i) & 1u) wl[o++] = static_cast<unsigned>(ent[h][i]) + 1u;
+          if ((coll >> i) & 1u) *wp++ = static_cast<unsigned>(ent[h][i]);
         }
         __syncwarp();
         for (int j = lane; j < total; j += 32) {
@@ -359,24 +363,21 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
           wl[j] = probe_on(hkeys, row_home(key, nslot), key, nslot);
         }
         __syncwarp();
-      }
-      int o = off;
+        const unsigned* rp = wl + off;
 #pragma unroll
-      for (int i = 0; i < kEpt; ++i) {
-        const bool ok = static_cast<unsigned>(ent[h][i]) < static_cast<unsigned>(p.s_kv);
-        unsigned at = row_home(static_cast<unsigned>(ent[h][i]) + 1u, nslot);
-        if ((coll >> i) & 1u) at = wl[o++];
-        ent[h][i] = ok ? static_cast<int>(at) : -1;
+        for (int i = 0; i < kEpt; ++i) {
+          if ((coll >> i) & 1u) ent[h][i] = static_cast<int>(*rp++);
+        }
       }
       __syncwarp();  // (the next run's list, or the references below, overwrite the list)
     }
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // branch-free: an invalid entry ORs 0 into the spare byte's word
-      const bool ok = ent[h][i] >= 0;
-      const int sl = ok ? ent[h][i] : nslot;
-      const unsigned sh = 8 * (sl & 3) + k;
-      const unsigned old = atomicOr(reinterpret_cast<unsigned*>(c.tab) + (sl >> 2), ok ? 1u << sh : 0u);
-      ent[h][i] = ok && ((old >> sh) & 1u) ? ent[h][i] | kDup : ent[h][i];
+      const int sl = ent[h][i];
+      const bool ok = sl != nslot;
+      const unsigned bit = ok ? 1u << (8 * (sl & 3) + k) : 0u;
+      const unsigned old = atomicOr(reinterpret_cast<unsigned*>(c.tab) + (sl >> 2), bit);
+      ent[h][i] = (old & bit) != 0u ? sl | kDup : sl;
       cnt += ok;
     }
   }
@@ -396,24 +397,27 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
   __syncthreads();
 }
 
-// 2-5 at once (kFlat): each entry's column kind (0: level G, member 0; 3: merged, lowest owner; 15: no
-// column), 4 bits an entry in lvh[h], and its member mask, a byte an entry in mk[h]
+// 2-5 at once (kFlat): each entry's column kind as two bit masks of a run's entries, fk[h]: bit i a level-G
+// column (member 0's), bit 16 + i a merged column (its lowest owner's); and its member mask, a byte an entry
+// in mk[h]
 template <int G, bool kFlat, int kH>
-__device__ __forceinline__ void flat_column_kinds(const PlanCta<G, kFlat, kH>& c, unsigned own,
-                                                  unsigned long long (&lvh)[kH], unsigned (&mk)[kH][kEpt / 4]) {
+__device__ __forceinline__ void flat_column_kinds(const PlanCta<G, kFlat, kH>& c, unsigned own, unsigned (&fk)[kH],
+                                                  unsigned (&mk)[kH][kEpt / 4]) {
   constexpr unsigned kAll = (1u << G) - 1u;
-  const unsigned bit = own, f_all = c.k == 0 ? 0u : 15u;
+  const unsigned upto = 2u * own - 1u;  // member bits 0 .. k: the mask's lowest owner is k when they are k's alone
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
     int rr[kEpt];
     load_refs<kH>(c.my_rows, h, rr);  // (frees the entries' registers across the barrier)
+    unsigned all = 0u, lowest = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
-      const unsigned m = mask_at(c.tab, rr[i], c.nslot, own);
-      const unsigned f = m == kAll ? f_all : (m & (0u - m)) == bit ? 3u : 15u;
-      lvh[h] |= static_cast<unsigned long long>(f) << (4 * i);
+      const unsigned m = mask_at(c.tab, rr[i], own);
+      all |= static_cast<unsigned>(m == kAll) << i;
+      lowest |= static_cast<unsigned>((m & upto) == own) << i;
       mk[h][i / 4] |= m << (8 * (i % 4));
     }
+    fk[h] = (c.k == 0 ? all : 0u) | ((lowest & ~all) << 16);
   }
 }
 
@@ -423,8 +427,8 @@ __device__ __forceinline__ void cascade_levels(const PlanCta<G, kFlat, kH>& c, u
                                                unsigned long long& lv) {
 #pragma unroll
   for (int i = 0; i < kEpt; ++i) {
-    const unsigned l = c.blocks.level(mask_at(c.tab, ent[0][i], c.nslot, own));  // invalid: level 0
-    lv |= static_cast<unsigned long long>(ent[0][i] >= 0 ? l : 0u) << (4 * i);
+    const unsigned l = c.blocks.level(mask_at(c.tab, ent[0][i], own));  // invalid: level 0
+    lv |= static_cast<unsigned long long>(ent[0][i] != c.nslot ? l : 0u) << (4 * i);
   }
 }
 
@@ -505,7 +509,7 @@ __device__ __forceinline__ void private_rows(const PlanParams& p, const PlanCta<
     if (M == 1) {
       priv = l == 1u;
     } else {
-      const unsigned mb = c.me.merge_bits(mask_at(c.tab, rows[i], c.nslot, own));
+      const unsigned mb = c.me.merge_bits(mask_at(c.tab, rows[i], own));
       priv = l > 0u && static_cast<int>(l) < M && (mb & (mb - 1u)) == 0u;
     }
     pmask |= static_cast<unsigned>(priv) << i;
@@ -539,7 +543,7 @@ __device__ __forceinline__ void private_rows(const PlanParams& p, const PlanCta<
 template <int G, bool kFlat, int kH>
 __device__ __forceinline__ unsigned long long column_counts(const PlanCta<G, kFlat, kH>& c, unsigned own,
                                                             const int (&rows)[kEpt],
-                                                            const unsigned long long (&lvh)[kH],
+                                                            const unsigned (&fk)[kH],
                                                             unsigned long long& lv) {
   unsigned long long c64 = 0ull;
   if constexpr (!kFlat) {
@@ -547,7 +551,7 @@ __device__ __forceinline__ unsigned long long column_counts(const PlanCta<G, kFl
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {  // from here on lv holds each entry's column kind (15: no column)
       const unsigned l = get_lvl(lv, i);
-      const unsigned m = mask_at(c.tab, rows[i], c.nslot, own);
+      const unsigned m = mask_at(c.tab, rows[i], own);
       const int f = column_field<G>(l, m, c.me);
       kinds |= (f < 0 ? 15u : static_cast<unsigned>(f)) << (4 * (i % 8));
       if (i % 8 == 7) {
@@ -559,8 +563,8 @@ __device__ __forceinline__ unsigned long long column_counts(const PlanCta<G, kFl
   if constexpr (kFlat) {
 #pragma unroll
     for (int h = 0; h < kH; ++h) {
-      c64 |= static_cast<unsigned long long>(count_nibbles(lvh[h], 0)) << (16 * (kH == 1 ? 0 : 2 * h));
-      c64 |= static_cast<unsigned long long>(count_nibbles(lvh[h], 3)) << (16 * (kH == 1 ? 3 : 2 * h + 1));
+      c64 |= static_cast<unsigned long long>(__popc(fk[h] & 0xFFFFu)) << (16 * (kH == 1 ? 0 : 2 * h));
+      c64 |= static_cast<unsigned long long>(__popc(fk[h] >> 16)) << (16 * (kH == 1 ? 3 : 2 * h + 1));
     }
   } else {
 #pragma unroll
@@ -591,7 +595,7 @@ struct Segments {
 //     moves by what lies past the cut. mt: lane j < G holds member j's column counts by kind.
 template <int G, bool kFlat, int kH>
 __device__ __forceinline__ void clip_flat(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, unsigned long long& mt,
-                                          int lane, FlatRuns<kH>& fr, unsigned long long (&lvh)[kH]) {
+                                          int lane, FlatRuns<kH>& fr, unsigned (&fk)[kH]) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
   const int T = c.T;
   unsigned(&pos0)[kH] = fr.pos0;
@@ -608,8 +612,8 @@ __device__ __forceinline__ void clip_flat(const PlanParams& p, const PlanCta<G, 
         unsigned pos = pos0[h], moved = 0u;
 #pragma unroll
         for (int i = 0; i < kEpt; ++i) {
-          if (get_lvl(lvh[h], i) == 0u) {
-            if (pos >= cut) set_lvl(lvh[h], i, 3u), ++moved;
+          if ((fk[h] >> i) & 1u) {
+            if (pos >= cut) fk[h] ^= (1u << i) | (1u << (16 + i)), ++moved;
             ++pos;
           }
         }
@@ -628,7 +632,7 @@ template <int G, bool kFlat, int kH>
 __device__ __forceinline__ Segments segments(const PlanParams& p, const PlanCta<G, kFlat, kH>& c,
                                              unsigned long long (&wsum)[2 * 32], const int& n_valid,
                                              unsigned long long c64, int& scans, FlatRuns<kH>& fr,
-                                             unsigned long long (&lvh)[kH]) {
+                                             unsigned (&fk)[kH]) {
   const int k = c.k, tid = c.tid, tpm = c.tpm, M = c.M, T = c.T, g = c.g;
   unsigned(&pos0)[kH] = fr.pos0;
   unsigned(&pos3)[kH] = fr.pos3;
@@ -664,7 +668,7 @@ __device__ __forceinline__ Segments segments(const PlanParams& p, const PlanCta<
       }
       if (lane < G) mt = (field(mt, 0) + field(mt, 2)) | static_cast<unsigned long long>(field(mt, 1) + field(mt, 3)) << 48;
     }
-    clip_flat(p, c, mt, lane, fr, lvh);
+    clip_flat(p, c, mt, lane, fr, fk);
   }
   const bool lvl_lane = lane < n_lvl_seg, mrg_lane = lane >= n_lvl_seg && lane < ns;
   const int sf = lvl_lane ? ilog2(lane + 1) : 0, sb = lvl_lane ? lane + 1 - (1 << sf) : lane - n_lvl_seg;
@@ -727,7 +731,7 @@ __device__ __forceinline__ Segments segments(const PlanParams& p, const PlanCta<
 template <int G, bool kFlat, int kH>
 __device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, unsigned own,
                                               long long gbase, const Segments& sg,
-                                              const FlatRuns<kH>& fr, const unsigned long long (&lvh)[kH],
+                                              const FlatRuns<kH>& fr, const unsigned (&fk)[kH],
                                               const unsigned (&mk)[kH][kEpt / 4], unsigned long long lv,
                                               int (&rows)[kEpt], unsigned long long c64) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
@@ -763,16 +767,20 @@ __device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta
       __syncwarp();  // (the stretch held this warp's rows, or the last run's columns)
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) {
-        const unsigned f = get_lvl(lvh[h], i);
         const int v = stage_word(rr[i], (mk[h][i / 4] >> (8 * (i % 4))) & 0xFFu);
-        if (f == 0u) *p0++ = v;
-        if (f == 3u) *p3++ = v;
+        if ((fk[h] >> i) & 1u) *p0++ = v;
+        if ((fk[h] >> (16 + i)) & 1u) *p3++ = v;
       }
       __syncwarp();
-      for (int x = lane; x < w0 + w3; x += 32) {
-        const int v = stage[x];
-        const int d = x < w0 ? s0 + x : s3 + (x - w0);
-        put_column(kv_out, mask_out, hkeys, d, v);
+      const int b0 = s0, b3 = s3 - w0;  // staged column x lands at slot x + (x < w0 ? b0 : b3)
+      if (mask_out == nullptr) {  // (uniform) the packed words, the default
+        for (int x = lane; x < w0 + w3; x += 32) {
+          const int v = stage[x];
+          const int row = static_cast<int>(hkeys[v & 0xFFFF]) - 1;
+          kv_out[static_cast<unsigned>(x + (x < w0 ? b0 : b3))] = row | ((v >> 16) << kPackShift);
+        }
+      } else {
+        for (int x = lane; x < w0 + w3; x += 32) put_column(kv_out, mask_out, hkeys, x + (x < w0 ? b0 : b3), stage[x]);
       }
     }
   } else {
@@ -814,7 +822,7 @@ __device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta
       for (int i = 0; i < kEpt; ++i) {
         if (get_lvl(lv, i) == static_cast<unsigned>(f)) {
           unsigned b = fb;
-          if (f == 3 && merged3) b = me.merge_bits(mask_at(c.tab, rows[i], nslot, own)) << me.mshift;
+          if (f == 3 && merged3) b = me.merge_bits(mask_at(c.tab, rows[i], own)) << me.mshift;
           *sp++ = stage_word(rows[i], b);
         }
       }
@@ -920,12 +928,12 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
   int ent[kH][kEpt];
   load_entries(p, c, ent, n_valid, pushed);
   unsigned long long lv = 0ull;     // 16 cascade levels of 4 bits (0: invalid / dropped, 15: in no tile)
-  unsigned long long lvh[kH] = {};  // kFlat: each run's column kinds, 4 bits an entry
+  unsigned fk[kH] = {};             // kFlat: each run's column kinds (flat_column_kinds)
   unsigned mk[kH][kEpt / 4] = {};   // kFlat: the entries' member masks, a byte each
   const unsigned own = 1u << k;
   membership(p, c, ent, n_valid);
   if constexpr (kFlat) {
-    flat_column_kinds(c, own, lvh, mk);
+    flat_column_kinds(c, own, fk, mk);
   } else {
     cascade_levels(c, own, ent, lv);
   }
@@ -934,11 +942,11 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
   int rows[kEpt];  // (non-flat) the entries' slot references again, from the rows area
   if constexpr (!kFlat) load_rows(my_rows, rows);
   if (!kFlat && (p.iclip || p.split)) private_rows(p, c, own, wsum, rows, lv, scans);
-  const unsigned long long c64 = column_counts(c, own, rows, lvh, lv);
+  const unsigned long long c64 = column_counts(c, own, rows, fk, lv);
   FlatRuns<kH> fr;
-  const Segments sg = segments(p, c, wsum, n_valid, c64, scans, fr, lvh);
+  const Segments sg = segments(p, c, wsum, n_valid, c64, scans, fr, fk);
   const long long gbase = static_cast<long long>(g) * p.cap;
-  write_columns(p, c, own, gbase, sg, fr, lvh, mk, lv, rows, c64);
+  write_columns(p, c, own, gbase, sg, fr, fk, mk, lv, rows, c64);
   write_tiles(p, c, gbase, sg);
   if (!p.iclip && j0 == 0 && q < p.s_q) p.dropped[q] = 0;  // (nothing dropped; the buffer comes unset)
 }
