@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -146,9 +145,7 @@ def run_against(h: int, s_q: int, s_kv: int, topk: int, workload: str, rounds: i
     plan = None if qp else quilt_attn.plan(idx, s_kv=s_kv, **dispatch.plan_settings(h, "cuda"))
     kw = dict(indices=idx) if qp else dict(plan=plan)
     qf8, qs = cuda_backend.quantize_q_fp8(q)
-    base = Path(base_dir)
-    libs = {"base": cuda_backend.build(units=tuple(base / u for u in cuda_backend.UNITS), name="quilt_sm90_base"),
-            "new": None}
+    libs = {"base": bench.earlier_build(base_dir), "new": None}
     fns, checks = {}, {}
     rows_chk = torch.randperm(s_q, generator=torch.Generator().manual_seed(3))[:256].to(dev)
     for cname, c in caches.items():

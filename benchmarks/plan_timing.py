@@ -25,7 +25,7 @@ import torch
 
 from quilt_attn import plan
 from quilt_attn.planner.buffers import plan_buffers
-from quilt_bench.bench import plans_equal, save, time_ms
+from quilt_bench.bench import earlier_build, plans_equal, save, time_ms
 
 CONFIGS = [  # (label, group_size, merge_level, split_private)
     ("h8", 8, 8, False), ("h16-cuda", 4, 4, False), ("h16-triton", 4, 4, True), ("h32-cuda", 2, 2, False),
@@ -112,14 +112,10 @@ def main(argv=None, prog=None) -> int:
 def _ab_builds(args, generate, configs) -> int:
     """The CUDA planner built with each of ``--cuda-builds``' settings (or ``--against``'s csrc and the package's),
     timed in alternating rounds."""
-    from pathlib import Path
-
     from quilt_attn.ops import cuda_backend
 
     if args.against:
-        base = Path(args.against)
-        libs = {"base": cuda_backend.build(units=tuple(base / u for u in cuda_backend.UNITS), name="quilt_sm90_base"),
-                "new": cuda_backend.build()}
+        libs = {"base": earlier_build(args.against), "new": cuda_backend.build()}
     else:
         libs = {b.strip(): cuda_backend.build(defines=() if b.strip() == "base" else
                                               tuple(f"-D{d}" for d in b.strip().split("+")))

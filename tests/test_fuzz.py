@@ -652,6 +652,34 @@ def test_plan_fuzz(case):
     assert p.source.mismatch(idx, kw["s_kv"] or 1000, tl) is None  # (without s_kv any kv fits)
 
 
+@pytest.mark.gpu
+@fuzz(80)
+@given(case=plan_cases())
+def test_cuda_plan_fuzz(case):
+    """The CUDA planner, in its scope (groups 1-8, any tile, threshold, merge level, split, topk_length, invalid
+    entries, repeated rows): every valid occurrence is in the plan once for its own query, and without repeated
+    rows the plan is the torch planner's field by field (with repeats, which occurrence tiles first is decided
+    by the table's racing inserts)."""
+    from quilt_attn.planner.cuda_plan import unsupported_reason
+    from quilt_bench.bench import plans_equal
+
+    idx, tl, kw = case
+    dev = torch.device("cuda")
+    assume(unsupported_reason(dev, kw["group_size"], idx.shape[1], kw["s_kv"], kw["tile"], "bitmap") is None)
+    kw = dict(kw, mask_method="bitmap", topk_length=None if tl is None else tl.to(dev))
+    p = make_plan(idx.to(dev), **dict(kw, backend="cuda"))
+    s_q, topk = idx.shape
+    bound = kw["s_kv"] if kw["s_kv"] is not None else 2**31 - 1
+    n = [topk] * s_q if tl is None else [max(0, min(int(x), topk)) for x in tl.tolist()]
+    want = [[r for r in row[: n[i]] if 0 <= r < bound] for i, row in enumerate(idx.tolist())]
+    assert owned(p, s_q) == [sorted(w) for w in want], f"plan {kw}"
+    assert int(p.valid_pairs) == sum(map(len, want))
+    repeats = any(len(set(w)) < len(w) for w in want)
+    event(f"repeated rows: {repeats}")
+    if not repeats:
+        assert plans_equal(p, make_plan(idx.to(dev), **dict(kw, backend="torch"))), f"plan {kw}"
+
+
 @fuzz(30)
 @given(case=plan_cases(), bad=st.sampled_from(["group_size", "merge_level", "tile", "clip_threshold", "s_kv",
                                                "mask_method", "backend", "topk_length", "indices"]))

@@ -162,6 +162,17 @@ def cuda_call(inputs: Inputs, h: int, work: dict, **launch_kw):
     return call, out, max_logits, lse
 
 
+def earlier_build(csrc_dir):
+    """The kernel library built from an earlier copy of ``quilt_attn/ops/csrc`` (a directory holding its units),
+    cached beside the package's build as ``quilt_sm90_base``: the "base" of an A/B in one process."""
+    from pathlib import Path
+
+    from quilt_attn.ops import cuda_backend
+
+    base = Path(csrc_dir)
+    return cuda_backend.build(units=tuple(base / u for u in cuda_backend.UNITS), name="quilt_sm90_base")
+
+
 def time_ms(fn, warmup: int = 50, rep: int = 300) -> float:
     """Median ms of ``fn`` by ``triton.testing.do_bench`` (warmup / rep in ms).
 
