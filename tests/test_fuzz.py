@@ -615,6 +615,20 @@ def plan_cases(draw):
     return idx, tl, kw
 
 
+def entry_limits(idx, tl, s_kv):
+    """The bound of a valid row (``s_kv``, or 2^31 - 1 without it) and each query's entry count (``topk_length``
+    clamped to 0..topk)."""
+    s_q, topk = idx.shape
+    bound = s_kv if s_kv is not None else 2**31 - 1
+    return bound, [topk] * s_q if tl is None else [max(0, min(int(x), topk)) for x in tl.tolist()]
+
+
+def valid_rows(idx, tl, s_kv):
+    """Each query's valid entries' rows in list order, repeats included."""
+    bound, n = entry_limits(idx, tl, s_kv)
+    return [[r for r in row[: n[i]] if 0 <= r < bound] for i, row in enumerate(idx.tolist())]
+
+
 def owned(p, s_q):
     """For each query, the sorted list of rows the plan gives it (tile columns with its bit, private lists)."""
     rows, masks = (t.cpu() for t in (p.columns() if hasattr(p, "columns") else (p.tile_kv, p.tile_mask)))
@@ -643,11 +657,8 @@ def test_plan_fuzz(case):
     if kw["backend"] == "triton" and not KERNELS_CAN_RUN:
         kw["backend"] = "torch"
     p = make_plan(idx, topk_length=tl, **kw)
-    s_q, topk = idx.shape
-    bound = kw["s_kv"] if kw["s_kv"] is not None else 2**31 - 1
-    n = [topk] * s_q if tl is None else [max(0, min(int(x), topk)) for x in tl.tolist()]
-    want = [sorted(r for r in row[: n[i]] if 0 <= r < bound) for i, row in enumerate(idx.tolist())]
-    assert owned(p, s_q) == want, f"plan {kw}"
+    want = [sorted(w) for w in valid_rows(idx, tl, kw["s_kv"])]
+    assert owned(p, idx.shape[0]) == want, f"plan {kw}"
     assert int(p.valid_pairs) == sum(map(len, want))
     assert p.source.mismatch(idx, kw["s_kv"] or 1000, tl) is None  # (without s_kv any kv fits)
 
@@ -668,11 +679,8 @@ def test_cuda_plan_fuzz(case):
     assume(unsupported_reason(dev, kw["group_size"], idx.shape[1], kw["s_kv"], kw["tile"], "bitmap") is None)
     kw = dict(kw, mask_method="bitmap", topk_length=None if tl is None else tl.to(dev))
     p = make_plan(idx.to(dev), **dict(kw, backend="cuda"))
-    s_q, topk = idx.shape
-    bound = kw["s_kv"] if kw["s_kv"] is not None else 2**31 - 1
-    n = [topk] * s_q if tl is None else [max(0, min(int(x), topk)) for x in tl.tolist()]
-    want = [[r for r in row[: n[i]] if 0 <= r < bound] for i, row in enumerate(idx.tolist())]
-    assert owned(p, s_q) == [sorted(w) for w in want], f"plan {kw}"
+    want = valid_rows(idx, tl, kw["s_kv"])
+    assert owned(p, idx.shape[0]) == [sorted(w) for w in want], f"plan {kw}"
     assert int(p.valid_pairs) == sum(map(len, want))
     repeats = any(len(set(w)) < len(w) for w in want)
     event(f"repeated rows: {repeats}")
@@ -707,8 +715,7 @@ def test_member_masks_fuzz(case):
     s_kv = kw["s_kv"]
     masks, valid = member_masks(idx, G, s_kv=s_kv, topk_length=tl, mask_method=kw["mask_method"])
     s_q, topk = idx.shape
-    bound = s_kv if s_kv is not None else 2**31 - 1
-    n = [topk] * s_q if tl is None else [max(0, min(int(x), topk)) for x in tl.tolist()]
+    bound, n = entry_limits(idx, tl, s_kv)
     rows = idx.tolist()
     sets = [{r for r in rows[i][: n[i]] if 0 <= r < bound} for i in range(s_q)]
     want = torch.zeros(s_q, topk, dtype=torch.int64)

@@ -131,10 +131,13 @@ __device__ __forceinline__ unsigned probe_on(unsigned* hkeys, unsigned at, unsig
 __device__ __forceinline__ int stage_word(int ref, unsigned bits) {
   return (ref & kSlotMask) | static_cast<int>(bits << 16);
 }
+// a staged word's row (from its slot's key); a packed column word
+__device__ __forceinline__ int staged_row(const unsigned* keys, int v) { return static_cast<int>(keys[v & 0xFFFF]) - 1; }
+__device__ __forceinline__ int packed(int row, int bits) { return row | (bits << kPackShift); }
 __device__ __forceinline__ void put_column(int* kv_out, int* mask_out, const unsigned* keys, int d, int v) {
-  const int row = static_cast<int>(keys[v & 0xFFFF]) - 1, bits = v >> 16;
+  const int row = staged_row(keys, v), bits = v >> 16;
   if (mask_out == nullptr) {
-    kv_out[d] = row | (bits << kPackShift);
+    kv_out[d] = packed(row, bits);
   } else {
     kv_out[d] = row;
     mask_out[d] = bits;
@@ -737,7 +740,7 @@ __device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta
   constexpr unsigned kFull = 0xFFFFFFFFu;
   constexpr int kLevels = ilog2_c(G) + 1;
   const int k = c.k, tid = c.tid, M = c.M, T = c.T, lane = tid & 31;
-  const int nslot = c.nslot, n_lev = sg.n_lev, my_mstart = sg.my_mstart;
+  const int n_lev = sg.n_lev, my_mstart = sg.my_mstart;
   const int first = sg.first, bits = sg.bits;
   const unsigned long long mine = sg.mine;
   const unsigned(&pos0)[kH] = fr.pos0;
@@ -772,15 +775,14 @@ __device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta
         if ((fk[h] >> (16 + i)) & 1u) *p3++ = v;
       }
       __syncwarp();
-      const int b0 = s0, b3 = s3 - w0;  // staged column x lands at slot x + (x < w0 ? b0 : b3)
-      if (mask_out == nullptr) {  // (uniform) the packed words, the default
+      const int b3 = s3 - w0;  // staged column x lands at slot x + (x < w0 ? s0 : b3)
+      if (mask_out == nullptr) {  // (uniform) the packed words, the default: a loop without the test
         for (int x = lane; x < w0 + w3; x += 32) {
           const int v = stage[x];
-          const int row = static_cast<int>(hkeys[v & 0xFFFF]) - 1;
-          kv_out[static_cast<unsigned>(x + (x < w0 ? b0 : b3))] = row | ((v >> 16) << kPackShift);
+          kv_out[static_cast<unsigned>(x + (x < w0 ? s0 : b3))] = packed(staged_row(hkeys, v), v >> 16);
         }
       } else {
-        for (int x = lane; x < w0 + w3; x += 32) put_column(kv_out, mask_out, hkeys, x + (x < w0 ? b0 : b3), stage[x]);
+        for (int x = lane; x < w0 + w3; x += 32) put_column(kv_out, mask_out, hkeys, x + (x < w0 ? s0 : b3), stage[x]);
       }
     }
   } else {
