@@ -275,8 +275,7 @@ def plan_launch_shape(group_size: int, topk: int, tile: int) -> tuple[int, int, 
     pushed = max(1, (group_size - 1) * tile)  # at most tile - 1 rows a (level, block), G - 1 of them
     log_flags = max(6, (2 * pushed - 1).bit_length())
     slots = plan_table_slots(group_size, topk)
-    # keys, then member bytes: a byte a slot and a spare, rounded to 16, then 16 bytes for the flat path's repeats
-    table = 4 * (-(-(slots + 1) // 4) * 4) + -(-(slots + 1) // 16) * 16 + 16
+    table = 4 * (-(-(slots + 1) // 4) * 4) + -(-(slots + 1) // 16) * 16  # keys, then member bytes (+1: a spare)
     return threads, log_flags, 64 * threads + (8 << log_flags) + table
 
 

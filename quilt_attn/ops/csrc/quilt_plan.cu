@@ -118,22 +118,10 @@ __device__ __forceinline__ unsigned mask_at(const unsigned char* tab, int ref, u
   const unsigned m = tab[ref & kSlotMask];
   return (ref & kDup) ? own : m;
 }
-// The flat path's repeats reference a byte of their own instead (kDup is for the levels' path, which reads the
-// row back from the slot's key): byte dup_base(nslots) + k holds member k's bit alone, so there every lookup is
-// the load itself. The 16 bytes from dup_base are the table's last (cuda_backend.plan_launch_shape).
-__host__ __device__ constexpr int dup_base(int nslots) { return (nslots + 1 + 15) & ~15; }
-constexpr unsigned kDupBytes0 = 0x08040201u, kDupBytes1 = 0x80402010u;  // bytes k = 0..7: 1 << k
 
 // The membership table: keys hold row + 1 (0: empty); home slot by a multiplicative hash scaled to nslots.
 __device__ __forceinline__ unsigned row_home(unsigned key, int nslots) {
   return __umulhi(key * 2654435769u, static_cast<unsigned>(nslots));
-}
-
-// a CAS on the word at shared address `addr` (a 32-bit shared-window address: one instruction forms it)
-__device__ __forceinline__ unsigned shared_cas(unsigned addr, unsigned cmp, unsigned val) {
-  unsigned old;
-  asm volatile("atom.shared.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "r"(addr), "r"(cmp), "r"(val) : "memory");
-  return old;
 }
 
 // The slot of `key` past `at`, a slot holding another key: linear probing, claiming the first empty slot
@@ -292,26 +280,24 @@ struct PlanCta {
   int nslot, nkeys;
   unsigned char* tab;
   int k, j0, g, q;           // member, its first list entry of this thread, group, query
-  int dup;                   // kFlat: the reference of this member's repeats (dup_base + k)
   int M, T;                  // merge level, tile
   const Member& me;
   const Blocks<G>& blocks;
 };
 
-// A member's index list and its valid length (0 past the last query)
-struct MemberList {
-  const int* list;
-  int lim;
-  __device__ MemberList(const PlanParams& p, int q) {
-    list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
-    lim = 0;
-    if (q < p.s_q) {
-      lim = p.topk;
-      if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
-    }
+// 0. this thread's list entries, loaded first: their latency runs under the clear of the pushed-row set
+//    and the membership table that follows
+template <int G, bool kFlat, int kH>
+__device__ __forceinline__ void load_entries(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, int (&ent)[kH][kEpt],
+                                             int& n_valid, unsigned& pushed) {
+  const int q = c.q, tid = c.tid, nt = c.nt;
+  const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx;
+  int lim = 0;
+  if (q < p.s_q) {
+    lim = p.topk;
+    if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
   }
-  // entries j .. j + 15 (-1 from lim on)
-  __device__ __forceinline__ void load16(int j, int (&r)[kEpt]) const {
+  auto load16 = [&](int j, int (&r)[kEpt]) {  // entries j .. j + 15 of this member's list (-1 from lim on)
     if (j + kEpt <= lim && (reinterpret_cast<uintptr_t>(list + j) & 15u) == 0u) {
 #pragma unroll
       for (int i = 0; i < kEpt; i += 4) {
@@ -322,21 +308,12 @@ struct MemberList {
 #pragma unroll
       for (int i = 0; i < kEpt; ++i) r[i] = j + i < lim ? __ldg(list + j + i) : -1;
     }
-  }
-};
-
-// 0. this thread's list entries, loaded first: their latency runs under the clear of the pushed-row set
-//    and the membership table that follows
-template <int G, bool kFlat, int kH>
-__device__ __forceinline__ void load_entries(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, int (&ent)[kH][kEpt],
-                                             int& n_valid, unsigned& pushed) {
-  const int tid = c.tid, nt = c.nt;
-  const MemberList ml(p, c.q);
+  };
   const int run = c.tpm * kEpt;  // list entries between a thread's runs (kH > 1)
 #pragma unroll
-  for (int h = 0; h < kH; ++h) ml.load16(c.j0 + h * run, ent[h]);
-  {  // clear the flag set and the membership table up to the repeats' bytes, which are set (16-byte stores)
-    const int n16 = ((8 << p.log_flags) + 4 * c.nkeys + dup_base(c.nslot)) / 16;
+  for (int h = 0; h < kH; ++h) load16(c.j0 + h * run, ent[h]);
+  {  // clear the flag set and the membership table (16-byte stores)
+    const int n16 = ((8 << p.log_flags) + 4 * c.nkeys + c.nslot + 1 + 15) / 16;  // (+1: the spare byte at slot nslots)
     uint4* z = reinterpret_cast<uint4*>(c.fkeys);
 #pragma unroll 1
     for (int i0 = tid; i0 < n16; i0 += 4 * nt) {  // (unrolled by hand: no trip count, so no division by nt)
@@ -345,7 +322,6 @@ __device__ __forceinline__ void load_entries(const PlanParams& p, const PlanCta<
         if (i0 + u * nt < n16) z[i0 + u * nt] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
-    if (tid == 0) z[n16] = make_uint4(kDupBytes0, kDupBytes1, 0u, 0u);
   }
   if (tid == 0) n_valid = 0, pushed = 0u;
   __syncthreads();
@@ -359,7 +335,6 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
   const int k = c.k, tid = c.tid, nslot = c.nslot;
   unsigned* hkeys = c.hkeys;
   int4* my_rows = c.my_rows;
-  const unsigned hkeys_sa = static_cast<unsigned>(__cvta_generic_to_shared(hkeys));
   int cnt = 0;
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
@@ -372,7 +347,7 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       const unsigned key = static_cast<unsigned>(ent[h][i]) + 1u;
       const unsigned hashed = row_home(key, nslot);  // (for every entry: no predicated hash)
       const unsigned home = ok ? hashed : static_cast<unsigned>(nslot);
-      const unsigned w = shared_cas(hkeys_sa + 4u * home, 0u, key);
+      const unsigned w = atomicCAS(hkeys + home, 0u, key);
       const bool cl = ok && w != 0u && w != key;
       coll |= static_cast<unsigned>(cl) << i;
       ent[h][i] = static_cast<int>(cl ? key : home);
@@ -419,7 +394,7 @@ __device__ __forceinline__ void membership(const PlanParams& p, const PlanCta<G,
       // own << 8 * (sl & 3): a funnel shift takes its count mod 32
       const unsigned bit = ok ? __funnelshift_l(0u, 1u << k, static_cast<unsigned>(sl) << 3) : 0u;
       const unsigned old = atomicOr(reinterpret_cast<unsigned*>(c.tab) + (sl >> 2), bit);
-      ent[h][i] = (old & bit) != 0u ? (kFlat ? c.dup : sl | kDup) : sl;
+      ent[h][i] = (old & bit) != 0u ? sl | kDup : sl;
       cnt += ok;
     }
   }
@@ -454,7 +429,7 @@ __device__ __forceinline__ void flat_column_kinds(const PlanCta<G, kFlat, kH>& c
     unsigned all = 0u, lowest = 0u;
 #pragma unroll
     for (int i = 0; i < kEpt; ++i) {
-      const unsigned m = c.tab[rr[i]];  // (a repeat's reference is its member's byte)
+      const unsigned m = mask_at(c.tab, rr[i], own);
       all |= static_cast<unsigned>(m == kAll) << i;
       lowest |= static_cast<unsigned>((m & upto) == own) << i;
       mk[h][i / 4] |= m << (8 * (i % 4));
@@ -791,47 +766,37 @@ __device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta
   int* kv_out = p.tile_kv + gbase * T;
   int* mask_out = p.tile_mask == nullptr ? nullptr : p.tile_mask + gbase * T;
   int* stage = reinterpret_cast<int*>(c.smem) + (tid - lane) * kEpt;
-  if constexpr (kFlat) {
-    // Run by run: two kinds, one pass; an entry's member bits are its mask (mk). The rows are read from the
-    // indices again (L2-resident) rather than from the slots' keys, so a packed column word is staged whole
-    // (one byte permute) and the copy out is a plain copy.
+  if constexpr (kFlat) {  // run by run: two kinds, one pass; an entry's member bits are its mask
     const int off0 = __shfl_sync(kFull, first, 0) * T, off3 = __shfl_sync(kFull, first, 1) * T + my_mstart;
-    const MemberList ml(p, c.q);
-    const int run = c.tpm * kEpt;
-    const bool pack = mask_out == nullptr;  // (uniform)
+    int raw[kEpt];  // every run's slot references, read before the staging below overwrites them
+    load_rows(c.my_rows, raw);
 #pragma unroll
     for (int h = 0; h < kH; ++h) {
-      int rw[kEpt];  // the run's rows (an entry with a column is valid: its row is below s_kv)
-      ml.load16(c.j0 + h * run, rw);
+      int rr[kEpt];  // (an entry with a column is valid)
+#pragma unroll
+      for (int i = 0; i < kEpt; ++i) rr[i] = ref_of<kH>(raw[i], h);
       const int d0 = off0 + static_cast<int>(pos0[h]), d3 = off3 + static_cast<int>(pos3[h]);
       const int w0 = static_cast<int>(__reduce_add_sync(kFull, cnt0[h]));
       const int w3 = static_cast<int>(__reduce_add_sync(kFull, cnt3[h]));
       const int s0 = __shfl_sync(kFull, d0, 0), s3 = __shfl_sync(kFull, d3, 0);
-      const int b3 = s3 - w0;  // staged column x lands at slot x + (x < w0 ? s0 : b3)
-      // stage one word a column (the packed word, or the row and then the member bits) and copy them out
-      auto stage_copy = [&](auto word, int* out) {
-        int* p0 = stage + (d0 - s0);
-        int* p3 = stage + w0 + (d3 - s3);
-        __syncwarp();  // (the stretch held this warp's references, or the last copy's words)
+      int* p0 = stage + (d0 - s0);
+      int* p3 = stage + w0 + (d3 - s3);
+      __syncwarp();  // (the stretch held this warp's rows, or the last run's columns)
 #pragma unroll
-        for (int i = 0; i < kEpt; ++i) {
-          const int v = word(i);
-          if ((fk[h] >> i) & 1u) *p0++ = v;
-          if ((fk[h] >> (16 + i)) & 1u) *p3++ = v;
+      for (int i = 0; i < kEpt; ++i) {
+        const int v = stage_word(rr[i], (mk[h][i / 4] >> (8 * (i % 4))) & 0xFFu);
+        if ((fk[h] >> i) & 1u) *p0++ = v;
+        if ((fk[h] >> (16 + i)) & 1u) *p3++ = v;
+      }
+      __syncwarp();
+      const int b3 = s3 - w0;  // staged column x lands at slot x + (x < w0 ? s0 : b3)
+      if (mask_out == nullptr) {  // (uniform) the packed words, the default: a loop without the test
+        for (int x = lane; x < w0 + w3; x += 32) {
+          const int v = stage[x];
+          kv_out[static_cast<unsigned>(x + (x < w0 ? s0 : b3))] = packed(staged_row(hkeys, v), v >> 16);
         }
-        __syncwarp();
-        for (int x = lane; x < w0 + w3; x += 32) out[static_cast<unsigned>(x + (x < w0 ? s0 : b3))] = stage[x];
-      };
-      // byte i % 4 of mk[h][i / 4] is entry i's member bits: row | bits << 24 in one permute
-      auto packed_word = [&](int i) { return static_cast<int>(__byte_perm(rw[i], mk[h][i / 4], 0x0210 | ((4 + i % 4) << 12))); };
-      if (pack) {
-        stage_copy(packed_word, kv_out);
-      } else {  // the rows, then the member bits (one copy of the staging code for both)
-#pragma unroll 1
-        for (int pass = 0; pass < 2; ++pass) {
-          auto word = [&](int i) { return pass == 0 ? rw[i] : static_cast<int>((mk[h][i / 4] >> (8 * (i % 4))) & 0xFFu); };
-          stage_copy(word, pass == 0 ? kv_out : mask_out);
-        }
+      } else {
+        for (int x = lane; x < w0 + w3; x += 32) put_column(kv_out, mask_out, hkeys, x + (x < w0 ? s0 : b3), stage[x]);
       }
     }
   } else {
@@ -961,7 +926,6 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
 
   // shared memory: [entries' slot references, int, 16 a thread (kRowsStride)] [flag keys] [flag words]
   //                [table keys, nslots + 1 rounded to 4] [member bits, a byte a slot + a spare, rounded to 16]
-  //                [16 bytes: the flat path's repeats, dup_base]
   const int tid = threadIdx.x, nt = blockDim.x, tpm = nt / G;
   int4* my_rows = reinterpret_cast<int4*>(smem) + (kEpt / 4) * (tid - tid % kRowsStride) + tid % kRowsStride;
   unsigned* fkeys = reinterpret_cast<unsigned*>(smem + kEpt * 4 * nt);
@@ -978,7 +942,7 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
   const Member me(k, M);
   const Blocks<G> blocks(k);
   const PlanCta<G, kFlat, kH> c{smem, tid, nt, tpm, my_rows, fkeys, fvals, hkeys, nslot,
-                                nkeys, tab, k, j0, g, q, dup_base(nslot) + k, M, T, me, blocks};
+                                nkeys, tab, k, j0, g, q, M, T, me, blocks};
 
   int ent[kH][kEpt];
   load_entries(p, c, ent, n_valid, pushed);
@@ -1112,8 +1076,7 @@ extern "C" {
 
 // threads = group_size * topk padded / 16 (a multiple of 32, <= 1024);
 // smem = 64 bytes a thread (its 16 slot references, later its columns) + the pushed-row set (8 bytes a slot)
-// + the membership table (nslots + 1 keys rounded to 4, then a byte a slot and a spare byte, rounded to 16, then
-// the 16 bytes of the flat path's repeats):
+// + the membership table (nslots + 1 keys rounded to 4, then a byte a slot and a spare byte, rounded to 16):
 // cuda_backend.plan_launch_shape
 int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threads, int smem, void* stream) {
   using namespace quilt_plan;
