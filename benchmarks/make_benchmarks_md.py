@@ -28,7 +28,7 @@ DEFAULTS = dict(
     plan_beside=RESULTS / "h200_plan_reserved_sms_v11.json",
     clip=RESULTS / "clip_accuracy_cpu.json",
     # newest first; the first is the current code's run, the others earlier runs (the last one beside FlashMLA)
-    engine=[RESULTS / "h200_engine_shapes_fbdd94d.json", RESULTS / "h200_engine_shapes_flashmla_8e0ba74.json"],
+    engine=[RESULTS / "h200_engine_shapes_2b324a0.json", RESULTS / "h200_engine_shapes_flashmla_8e0ba74.json"],
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
     fp8_cache=[RESULTS / "h200_fp8_cache_3a1f020.json"],
     repair=RESULTS / "h200_repair_cost_00482d8.json",
@@ -73,6 +73,9 @@ UNMEASURED_CHANGES = [
     "the CUDA planner's invalid entries reference a spare table slot (a lookup is one load), its colliding "
     "entries are listed by pointer, and its flat path keeps column kinds as two bit masks (-8% / -12% planning "
     "at 16 / 8 heads, `h200_plan_spare_slot_ab_fdd6416.json`; measured in the engine-shape section, the "
+    "planner-overlap and FP8-cache rows predate it);",
+    "the CUDA planner hashes without predication, forms a member bit by a funnel shift and divides by no runtime "
+    "value (-1% planning, `h200_plan_nodiv_ab_2b324a0.json`; measured in the engine-shape section, the "
     "planner-overlap and FP8-cache rows predate it).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
