@@ -116,7 +116,8 @@ def time_alternating(variants: dict, rounds: int, warmup: int, rep: int) -> dict
     return bench.interleaved_rounds({n: rotate(f) for n, f in variants.items()}, rounds, warmup=warmup, rep=rep)
 
 
-def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, warmup: int, rep: int) -> list[dict]:
+def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, warmup: int, rep: int,
+              unchained: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     s_q, h_run = sum(shape.s_q), max(64, h)
     gen = torch.Generator(device=dev).manual_seed(7)
@@ -145,8 +146,17 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
         work = dict(plan=plan) if plan is not None else dict(indices=idx)
         cuda_backend.launch(q[:, :h], kv, sm_scale, k_out, k_ml, k_lse, **work)
 
+    def unchained_call(q, kv, idx):  # the call with cuda_backend.CHAIN_LAUNCHES off (memsets, no chain)
+        cuda_backend.CHAIN_LAUNCHES = False
+        try:
+            return ours_call(q, kv, idx)
+        finally:
+            cuda_backend.CHAIN_LAUNCHES = True
+
     variants = {"call": lambda i: ours_call(*sets[i]),
                 "kernel": lambda i: ours_kernel(*sets[i], plans[i])}
+    if unchained:
+        variants["call-unchained"] = lambda i: unchained_call(*sets[i])
     if fm is not None:
         f_out, f_ml, f_lse = fm.outputs(s_q, h_run, torch.bfloat16, dev)
         variants["flashmla"] = lambda i: fm.launch(sets[i][0], sets[i][1], sets[i][2], f_out, f_ml, f_lse,
@@ -157,7 +167,7 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
     result = {}
     for name, fn in variants.items():  # reference check of each variant on set 0, outputs poisoned first
         q, kv, idx = sets[0]
-        if name == "call":
+        if name in ("call", "call-unchained"):
             out, ml, lse = fn(0)
             chk = check(out, ml, lse, q[:, :h], kv, idx, rows, natural=True)
         elif name == "kernel":
@@ -186,6 +196,8 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
     result["call"]["call_over_kernel"] = call / kern
     if "flashmla" in result:
         result["call"]["flashmla_over_call"] = result["flashmla"]["ms"] / call
+    if "call-unchained" in result:
+        result["call-unchained"]["call_over_kernel"] = result["call-unchained"]["ms"] / kern
     return out_rows
 
 
@@ -200,6 +212,9 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--unchained", action="store_true",
+                   help="also time the call with cuda_backend.CHAIN_LAUNCHES off (a memset before each launch, no "
+                        "programmatic dependent launches), interleaved with the others")
     a = p.parse_args(argv)
     fm = None
     if a.flashmla:
@@ -213,7 +228,7 @@ def main(argv=None, prog=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in a.cases.split(","):
         for h in (int(x) for x in a.heads.split(",")):
-            got = run_shape(SHAPES[name], h, a.workload, a.topk, fm, a.rounds, a.warmup, a.rep)
+            got = run_shape(SHAPES[name], h, a.workload, a.topk, fm, a.rounds, a.warmup, a.rep, a.unchained)
             rows += got
             c = next(r for r in got if r["method"] == "call")
             k = next(r for r in got if r["method"] == "kernel")
@@ -222,6 +237,10 @@ def main(argv=None, prog=None) -> int:
                   f"{f['ms'] if f else float('nan'):.3f} | {c.get('flashmla_over_call', float('nan')):.2f} | "
                   f"{c['extra_mib']:.0f} | {c['rel_err']:.1e} (kernel {k['rel_err']:.1e}"
                   f"{', FlashMLA %.1e' % f['rel_err'] if f else ''}) |", flush=True)
+            u = next((r for r in got if r["method"] == "call-unchained"), None)
+            if u:
+                print(f"| {name} unchained | {h} | {u['ms']:.3f} | | {u['call_over_kernel']:.3f} | | | | | "
+                      f"{u['rel_err']:.1e} |", flush=True)
             torch.cuda.empty_cache()
             # saved after each case: a run cut short keeps the rows it has
             bench.save(rows, a.out, {"command": "python " + " ".join(sys.argv)})

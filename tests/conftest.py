@@ -203,7 +203,9 @@ def cuda_stand_in(monkeypatch):
     seen = []
 
     def stand_in(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None,
-                 attn_sink=None, partial=False, repair=None, queue=None):
+                 attn_sink=None, partial=False, repair=None, queue=None, counter=None):
+        # a work counter handed to a launch is one zeroed int32 word (the queue's spare word, zeroed with it)
+        assert counter is None or (counter.dtype == torch.int32 and counter.numel() == 1 and int(counter) == 0)
         assert kv.dim() == 2 and (kv.dtype == q.dtype or (kv.dtype == torch.uint8 and cuda_backend.FP8_IN_KERNEL)), \
             "the CUDA kernel reads dense kv of q's dtype (or, widened in the kernel, the FP8 cache)"
         if queue is not None:  # the repair pass: the queued queries over their own rows

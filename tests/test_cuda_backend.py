@@ -560,6 +560,30 @@ def test_repair_pass_runs_exactly_the_queued_queries(h, fp8):
 
 @gpu
 @on_hopper
+@pytest.mark.parametrize("h", [8, 16, 64])
+def test_chained_launches_equal_unchained_bit_for_bit(h, monkeypatch, nan_poison):
+    """A call's launches chained (programmatic dependent launches, work counters from the repair queue's spare
+    words) give the outputs of the same call made with a memset before each launch and nothing chained, bit for
+    bit; with a NaN in a kv row that one query selects, so that its tile partners are queued and the chained
+    repair pass recomputes them (none of them NaN, the selecting query NaN)."""
+    from quilt_bench.bench import rows_selected_once
+
+    q, kv, idx = _inputs(h, s_q=512, s_kv=8192)
+    bad = rows_selected_once(idx.cpu(), kv.shape[0], 1).cuda()
+    kv[bad, 7] = float("nan")
+    selecting = (idx == bad).any(1)
+    got = {}
+    for chained in (True, False):
+        monkeypatch.setattr(cuda_backend, "CHAIN_LAUNCHES", chained)
+        got[chained] = sparse_prefill(q, kv, idx, backend="cuda")
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    out = got[True][0]
+    assert out[selecting].isnan().any() and not out[~selecting].isnan().any()
+
+
+@gpu
+@on_hopper
 def test_cuda_library_cached_between_processes(tmp_path):
     """A second process loads the cached library without nvcc."""
     import subprocess

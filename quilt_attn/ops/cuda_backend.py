@@ -50,7 +50,16 @@ class _Params(ctypes.Structure):
                                              "from_plan", "n_work", "nhb")]
     _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int),
                  ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int), ("repair", ctypes.c_void_p),
-                 ("q_scale", ctypes.c_void_p), ("queue", ctypes.c_void_p)]
+                 ("q_scale", ctypes.c_void_p), ("queue", ctypes.c_void_p), ("launch_flags", ctypes.c_int)]
+
+
+# Params.launch_flags (csrc/sm90_config.cuh)
+_LAUNCH_CHAINED, _LAUNCH_COUNTER_ZEROED = 1, 2
+# A call's launches are chained (programmatic dependent launches, csrc/launch.cuh: each may be scheduled while
+# the kernel ahead of it finishes) and the attention's and the repair pass's work counters come zeroed with the
+# repair queue (sparse_attention.spare_word), so that no memset stands between the order kernel, the attention
+# and the repair pass. False (measurement only): a memset before each launch, nothing chained.
+CHAIN_LAUNCHES = True
 
 
 class _PlanParams(ctypes.Structure):
@@ -156,7 +165,7 @@ def _library():
                                               ctypes.c_void_p]
             lib.quilt_plan_launch.restype = ctypes.c_int
             lib.quilt_program_order_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                                       ctypes.c_void_p]
+                                                       ctypes.c_int, ctypes.c_void_p]
             lib.quilt_program_order_launch.restype = ctypes.c_int
             for struct, prefix in ((_Params, "quilt_sm90"), (_PlanParams, "quilt_plan")):
                 ours = mirror_layout(struct)
@@ -337,7 +346,8 @@ def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
     order = torch.empty_like(ntiles)
     lib = _library()
     stream = _raw_stream(ntiles.device)
-    err = lib.quilt_program_order_launch(_ptr(ntiles), ntiles.numel(), max_tiles, _ptr(order), ctypes.c_void_p(stream))
+    err = lib.quilt_program_order_launch(_ptr(ntiles), ntiles.numel(), max_tiles, _ptr(order), int(CHAIN_LAUNCHES),
+                                         ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"program order launch failed: {lib.quilt_sm90_error_string(err).decode()}")
     return order
@@ -362,8 +372,8 @@ def work_items(h: int, s_q: int, plan=None) -> int:
 
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
-           partial: bool = False, tile_kv=None, run_if=None, repair=None, queue=None, q_scale=None, _skip: int = 0,
-           _ctas: int | None = None) -> None:
+           partial: bool = False, tile_kv=None, run_if=None, repair=None, queue=None, q_scale=None, counter=None,
+           _skip: int = 0, _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
 
     ``q [s_q, h, 576]``, ``kv [s_kv, 576]`` (q's dtype, unit stride in the last dimension),
@@ -381,6 +391,9 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     run: the repair pass, query programs over ``indices`` for the queued queries only (their count read on the
     device). ``q_scale``: the FP8 tensor-core mode (csrc/sm90_fp8mma.cuh): ``q`` is then ``quantize_q_fp8``'s
     rows ``uint8 [s_q, h, 640]`` and ``q_scale`` its scales, kv the FP8 cache, out bf16 (no partial mode).
+    ``counter``: an int32 ``[1]`` on q's device holding 0 (``sparse_attention.spare_word``), the launch's work
+    counter, used up by it; None: one of its own, zeroed by the launch. With ``CHAIN_LAUNCHES`` the launch is
+    chained to the kernel before it in the stream (the FP8 mode's is not).
     """
     fp8mma = q_scale is not None
     if fp8mma and (partial or kv.dtype != torch.uint8 or q.dtype != torch.uint8 or q.shape[2] != FP8_Q_BYTES
@@ -435,8 +448,16 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     if _ctas is None:
         _ctas = sm_count(q.device)
     ctas = min(int(_ctas), prm.n_work)
-    counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream
+    if counter is not None and CHAIN_LAUNCHES and not fp8mma:
+        if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != q.device:
+            raise ValueError(f"counter must be one int32 on q's device, got {counter.dtype} {tuple(counter.shape)} "
+                             f"on {counter.device}")
+        prm.launch_flags |= _LAUNCH_COUNTER_ZEROED
+    else:
+        counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream
     prm.work_counter = counter.data_ptr()
+    if CHAIN_LAUNCHES:
+        prm.launch_flags |= _LAUNCH_CHAINED
     if run_if is not None:
         flag, prm.run_when = run_if[0], int(run_if[1])
         if flag.dtype != torch.int32 or flag.numel() < 1 or flag.device != q.device:
@@ -606,9 +627,13 @@ def launch_fp8mma(q, cache, sm_scale, d_v, out, max_logits, lse, *, indices=None
 
 def _repair_pass(q, kv, sm_scale, attn_sink):
     """``run_plan_passes``' repair pass on this kernel: query programs over the call's own indices for the queued
-    queries (exact arithmetic; an FP8 cache's rows widened in the kernel)."""
+    queries (exact arithmetic; an FP8 cache's rows widened in the kernel), its work counter the queue's spare
+    word 1."""
+    from .sparse_attention import spare_word
+
     def run(o, m, l, indices, topk_length, queue):
-        launch(q, kv, sm_scale, o, m, l, indices=indices, topk_length=topk_length, attn_sink=attn_sink, queue=queue)
+        launch(q, kv, sm_scale, o, m, l, indices=indices, topk_length=topk_length, attn_sink=attn_sink, queue=queue,
+               counter=spare_word(queue, 1))
     return run
 
 
@@ -616,14 +641,15 @@ def run_plan_passes_cuda(q, kv, sm_scale, d_v, out, max_logits, lse, *, plan, at
                          plan_is_spent: bool = False):
     """``sparse_attention.run_plan_passes`` with this kernel running the plan's tiles (an FP8 cache's on its
     compacted rows, ``_compacts``, but for the partial pass of a split-private plan)."""
-    from .sparse_attention import run_plan_passes
+    from .sparse_attention import run_plan_passes, spare_word
 
     def tile_pass(o, m, l, partial, repair):
         if _compacts(kv) and not partial:
             launch_fp8_compact(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, repair=repair,
                                plan_is_spent=plan_is_spent)
-        else:
-            launch(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, partial=partial, repair=repair)
+        else:  # (the queue's spare word 0: this pass's work counter, zeroed with the queue)
+            launch(q, kv, sm_scale, o, m, l, plan=plan, attn_sink=attn_sink, partial=partial, repair=repair,
+                   counter=None if repair is None else spare_word(repair, 0))
 
     run_plan_passes(q, kv, sm_scale, d_v, out, max_logits, lse, plan=plan, attn_sink=attn_sink, tile_pass=tile_pass,
                     repair_from=repair_from, repair_pass=_repair_pass(q, kv, sm_scale, attn_sink))

@@ -358,12 +358,26 @@ def alloc_outputs(q, d_v: int, out_dtype=None):
     return torch.empty(s_q, h, d_v, dtype=out_dtype or q.dtype, device=q.device), stats[0], stats[1]
 
 
+REPAIR_SPARE = 2  # zeroed int32 words after a repair queue: the work counters of a call's CUDA launches
+
+
 def repair_buffer(s_q: int, device):
-    """A call's repair queue, int32 ``[1 + 2 s_q]``: the count of queued queries, a flag a query (both zeroed
-    here), then the queued queries. A plan pass queues each query whose output holds a NaN, once."""
+    """A call's repair queue, int32 ``[1 + 2 s_q + REPAIR_SPARE]``: the count of queued queries, a flag a query
+    (both zeroed here), the queued queries, then ``REPAIR_SPARE`` zeroed words (``spare_word``). A plan pass
+    queues each query whose output holds a NaN, once."""
     import torch
 
-    return torch.zeros(1 + 2 * s_q, dtype=torch.int32, device=device)  # (one fill; the queue part need not be 0)
+    # (one fill; the queue part need not be 0)
+    return torch.zeros(1 + 2 * s_q + REPAIR_SPARE, dtype=torch.int32, device=device)
+
+
+def spare_word(repair, i: int):
+    """Spare word ``i`` (< ``REPAIR_SPARE``) of ``repair_buffer``'s buffer, an int32 ``[1]`` view, zero until a
+    launch uses it (the CUDA backend: a launch's work counter, so that no memset of its own is needed)."""
+    if not 0 <= i < REPAIR_SPARE:
+        raise ValueError(f"spare word {i} of {REPAIR_SPARE}")
+    at = repair.numel() - REPAIR_SPARE + i
+    return repair[at:at + 1]
 
 
 def repair_programs(device, s_q: int) -> int:

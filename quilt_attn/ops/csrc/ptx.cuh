@@ -1,7 +1,8 @@
 // Inline-PTX wrappers (sm_90a): shared-memory addresses and the 128-byte swizzle, cp.async, mbarriers, proxy
 // fences, wgmma fence / commit / wait and shared-memory descriptors. The wgmma instructions themselves, with
-// their long operand lists, are generated: wgmma_ops.cuh. (The planner, quilt_plan.cu, needs none of these:
-// it synchronizes with atomics, shuffles and __syncthreads only.)
+// their long operand lists, are generated: wgmma_ops.cuh. (Of these the planner, quilt_plan.cu, needs only the
+// programmatic-dependent-launch pair, for its order kernel: it synchronizes with atomics, shuffles and
+// __syncthreads.)
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -54,6 +55,14 @@ __device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t bytes) {
   asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(static_cast<uint32_t>(d) + (bytes >> 4)), "r"(static_cast<uint32_t>(d >> 32)));
   return r;
 }
+
+// ------------------------------------------------------------------------------ programmatic dependent launch
+// Waits until the grid ahead of this one in the stream has completed and its writes are visible: a no-op for
+// a grid not launched as a programmatic dependent. Every read of another kernel's output comes after it.
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// Lets the next grid in the stream be scheduled (onto SMs as this grid's CTAs leave them) once every CTA of
+// this one has passed here; that grid still waits for this one's completion before it reads anything.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // ------------------------------------------------------------------------------ mbarriers
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {

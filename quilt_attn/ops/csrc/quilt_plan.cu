@@ -32,6 +32,8 @@
 #include <stdint.h>
 
 #include "abi.cuh"
+#include "launch.cuh"
+#include "ptx.cuh"
 namespace quilt_plan {
 
 struct PlanParams {
@@ -1001,6 +1003,8 @@ __global__ void __launch_bounds__(32 * kOrderWarps, 1) order_kernel(const int* n
                                                                    int* order) {
   extern __shared__ __align__(16) int cnt[];  // [kOrderWarps][nb]: counts by range and bin, then first places
   __shared__ int wtot[kOrderWarps];           // the block scan's warp totals
+  quilt_ptx::grid_dependency_wait();  // (a chained launch: the counts are the planner's output)
+  quilt_ptx::launch_dependents();     // the attention's CTAs take the SMs this one leaves free
   const int nb = max_tiles + 1, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int per = (n + kOrderWarps - 1) / kOrderWarps, lo = min(n, w * per), hi = min(n, lo + per);
   int* row = cnt + w * nb;
@@ -1093,16 +1097,18 @@ int quilt_plan_launch(const quilt_plan::PlanParams* p, int group_size, int threa
   }
 }
 
-// order [n] of the ids 0..n-1 by descending ntiles [n] (each in 0..max_tiles), equal counts by id; no host sync
-int quilt_program_order_launch(const int* ntiles, int n, int max_tiles, int* order, void* stream) {
+// order [n] of the ids 0..n-1 by descending ntiles [n] (each in 0..max_tiles), equal counts by id; no host sync;
+// chained: a programmatic dependent launch (launch.cuh)
+int quilt_program_order_launch(const int* ntiles, int n, int max_tiles, int* order, int chained, void* stream) {
   using namespace quilt_plan;
   if (n < 0 || max_tiles < 0 || max_tiles + 1 > kOrderMaxBins) return static_cast<int>(cudaErrorInvalidValue);
   if (n == 0) return 0;
   const int smem = 4 * kOrderWarps * (max_tiles + 1);
   cudaError_t err = cudaFuncSetAttribute(order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  order_kernel<<<1, 32 * kOrderWarps, smem, static_cast<cudaStream_t>(stream)>>>(ntiles, n, max_tiles, order);
-  return static_cast<int>(cudaGetLastError());
+  err = quilt_launch::launch(order_kernel, 1, 32 * kOrderWarps, smem, static_cast<cudaStream_t>(stream), chained != 0,
+                             ntiles, n, max_tiles, order);
+  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 int quilt_plan_params_size() { return static_cast<int>(sizeof(quilt_plan::PlanParams)); }

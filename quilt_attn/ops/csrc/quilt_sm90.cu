@@ -51,6 +51,7 @@
 #include <stdint.h>
 
 #include "abi.cuh"
+#include "launch.cuh"
 #include "ptx.cuh"
 #include "sm90_config.cuh"
 #include "sm90_consumer.cuh"
@@ -74,6 +75,8 @@ using namespace quilt_ptx;
 template <typename T, typename OutT, bool kMma, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) quilt_sm90_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
+  grid_dependency_wait();  // (a chained launch: the plan, its order, run_flag and the queue are earlier kernels' outputs)
+  launch_dependents();     // the next launch (the repair pass) takes each SM this grid's CTA leaves
   if (p.run_flag != nullptr && __ldg(p.run_flag) != p.run_when) return;  // the other launch of a pair runs
   const int tid = threadIdx.x;
   // warpgroup index, visibly warp-uniform: ptxas serializes wgmma issued under a branch it cannot prove uniform
@@ -111,10 +114,12 @@ int launch(const Params& p, int ctas, cudaStream_t stream) {
   auto kernel = quilt_sm90_kernel<T, OutT, kMma, kFp8>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, QUILT_SMEM_BYTES);
   if (err != cudaSuccess) return static_cast<int>(err);
-  err = cudaMemsetAsync(p.work_counter, 0, sizeof(int), stream);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  kernel<<<ctas, kThreads, QUILT_SMEM_BYTES, stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  if (!(p.launch_flags & kLaunchCounterZeroed)) {
+    err = cudaMemsetAsync(p.work_counter, 0, sizeof(int), stream);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  err = quilt_launch::launch(kernel, ctas, kThreads, QUILT_SMEM_BYTES, stream, (p.launch_flags & kLaunchChained) != 0, p);
+  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 // Params' fields in order and their byte offsets (quilt_sm90_params_layout)

@@ -80,7 +80,8 @@ struct Params {
   int group_size, qp, hb;   // plan group size, queries a program, heads a program (qp * hb <= 64)
   int from_plan;
   int n_work, nhb;          // programs x head blocks (work item w: program w / nhb, head block w % nhb)
-  int* work_counter;        // work items handed out after each CTA's first (zeroed by the launch)
+  int* work_counter;        // work items handed out after each CTA's first (zeroed by the launch, or before it:
+                            //   kLaunchCounterZeroed)
   float scale2;             // sm_scale * log2(e)
   int skip;                 // measurement only (sm90_measure.cuh, kSkip*): results invalid
   const int* run_flag;      // or null: the launch does nothing unless *run_flag == run_when (one of two
@@ -91,7 +92,14 @@ struct Params {
                             //   rows: 512 e4m3 latent bytes, 64 bf16 rope values divided by the scale)
   const int* queue;         // or null: the repair pass, query programs over indices for the queries a repair
                             //   queue holds (its count read here, on the device), program i its i-th query
+  int launch_flags;         // kLaunch* below: how the launch is made (the kernel itself reads none of them)
 };
+
+// launch_flags. kLaunchChained: a programmatic dependent launch (PDL): the grid may be scheduled while the
+// kernel ahead of it in the stream still runs, and waits for it (griddepcontrol.wait) before its first read.
+// kLaunchCounterZeroed: work_counter comes zeroed (one fill of the call's control words), no memset of its own,
+// which would stand between this launch and the one before it and so end the chain.
+enum : int { kLaunchChained = 1, kLaunchCounterZeroed = 2 };
 
 // Params' fields in order, for the library's layout table (quilt_sm90_params_layout): Python's ctypes
 // mirror is tested against it field by field.
@@ -99,7 +107,7 @@ struct Params {
   X(q) X(kv) X(out) X(max_logits) X(lse) X(sink) X(tile_kv) X(tile_mask) X(prog_tiles) X(prog_ntiles)          \
   X(prog_order) X(indices) X(topk_length) X(stride_qs) X(stride_qh) X(stride_kv) X(stride_idx) X(stride_os)     \
   X(stride_oh) X(s_q) X(s_kv) X(h) X(topk) X(prog_cap) X(group_size) X(qp) X(hb) X(from_plan) X(n_work) X(nhb) \
-  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair) X(q_scale) X(queue)
+  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair) X(q_scale) X(queue) X(launch_flags)
 
 // The mbarriers (SharedStorage::bar) by role.
 struct Bars {
