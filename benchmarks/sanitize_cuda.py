@@ -8,7 +8,8 @@ runs under the sanitizer): QUILT with a plan at h=16 and h=3, query-parallel wit
 and topk_length at h=64, fp16 partial output, the FP8 cache widened in the kernel (QUILT and query-parallel); checks each against the float64 reference (exit 1 above a
 relative L2 error of ``CALL_REL_L2["bf16"]``). Then the FP8 tensor-core mode through the public call (``precision="fp8"``: the
 CUDA planner, q's quantization, the FP8 kernel and its repair pass, all CUDA), checked against its emulation
-(``fp8_mode.sparse_prefill_fp8_kernel_reference``). ``--out``: the rows as JSON (with GPU, commit, versions).
+(``fp8_mode.sparse_prefill_fp8_kernel_reference``), and the public bf16 call (its launches chained) with a NaN
+kv row. ``--out``: the rows as JSON (with GPU, commit, versions).
 
 ``--strict-sync`` runs the kernel built with QUILT_SANITIZER_SYNC: hand-offs racecheck can model
 (rendezvous barriers, copies waited for) in place of bar.arrive and copy-completion mbarrier
@@ -83,6 +84,7 @@ def main(argv=None, prog=None) -> int:
                          strict_sync=a.strict_sync))
         print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} kv {str(kv_dtype):<15} rel-L2 {err:.2e}  nan={nan}")
     rows.append(repair_queue_case(idx_cpu, kv))
+    rows.append(chained_call_case(idx_cpu, kv))
     rows += [fp8mma_case(h, method, idx, cache, nonfinite) for h, method, nonfinite in FP8MMA_CASES]
     return verdict(rows, a.out)
 
@@ -111,6 +113,32 @@ def fp8mma_case(h: int, method: str, idx, cache, nonfinite: bool = False) -> dic
           f"NaN differ={nan}")
     return dict(h=h, plan=method == "quilt", dtype="bfloat16", kv="fp8 cache, precision=fp8", ctas=None,
                 rel_err=err, nan=nan, strict_sync=False, bound=FP8MMA_REL_L2, nonfinite_q=nonfinite)
+
+
+def chained_call_case(idx_cpu, kv) -> dict:
+    """The public bf16 call at h = 16 as an engine makes it (the CUDA planner, then the order kernel, the attention
+    and the repair pass as chained launches, their work counters the repair queue's spare words), with a NaN in a kv
+    row that one query selects: that query NaN, every other one equal to the float64 reference (its tile partners
+    recomputed by the chained repair pass). A row: rel-L2 over the other queries; ``nan`` when the NaNs differ."""
+    from quilt_bench.bench import rows_selected_once
+
+    s_q, h = idx_cpu.shape[0], 16
+    kv = kv.clone()
+    bad = rows_selected_once(idx_cpu, kv.shape[0], 1)
+    kv[bad.cuda(), 9] = float("nan")
+    q = torch.randn(s_q, h, 576, dtype=kv.dtype, device="cuda")
+    assert cuda_backend.CHAIN_LAUNCHES
+    out, _, _ = sparse_prefill(q, kv, idx_cpu.cuda(), 576**-0.5, backend="cuda")
+    torch.cuda.synchronize()
+    ro, _, _ = sparse_prefill_reference(q.cpu(), kv.cpu(), idx_cpu, 576**-0.5, d_v=512)
+    selecting = (idx_cpu == bad).any(1)
+    o = out.cpu().double()
+    err = float((o[~selecting] - ro[~selecting]).norm() / ro[~selecting].norm())
+    nan = not (torch.equal(o.isnan().flatten(1).any(1), selecting) and bool(o[selecting].isnan().any()))
+    print(f"chained call h={h} (NaN row of {int(selecting.sum())} query): rel-L2 of the others {err:.2e}  "
+          f"NaN differ={nan}")
+    return dict(h=h, plan=True, dtype=str(kv.dtype), kv="bf16 with a NaN row, chained launches", ctas=None,
+                rel_err=err, nan=nan, strict_sync=False)
 
 
 def torch_plan_on_gpu(idx_cpu, s_kv: int, h: int):
