@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,9 +29,9 @@ DEFAULTS = dict(
     plan_beside=RESULTS / "h200_plan_reserved_sms_v11.json",
     clip=RESULTS / "clip_accuracy_cpu.json",
     # newest first; the first is the current code's run, the others earlier runs (the last one beside FlashMLA)
-    engine=[RESULTS / "h200_engine_shapes_2b324a0.json", RESULTS / "h200_engine_shapes_flashmla_8e0ba74.json"],
+    engine=[RESULTS / "h200_engine_shapes_6c5dfa7.json"],
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
-    fp8_cache=[RESULTS / "h200_fp8_cache_3a1f020.json"],
+    fp8_cache=[RESULTS / "h200_fp8_cache_7441310.json", RESULTS / "h200_fp8_cache_7441310_b.json"],
     repair=RESULTS / "h200_repair_cost_00482d8.json",
 )
 
@@ -73,10 +74,14 @@ UNMEASURED_CHANGES = [
     "the CUDA planner's invalid entries reference a spare table slot (a lookup is one load), its colliding "
     "entries are listed by pointer, and its flat path keeps column kinds as two bit masks (-8% / -12% planning "
     "at 16 / 8 heads, `h200_plan_spare_slot_ab_fdd6416.json`; measured in the engine-shape section, the "
-    "planner-overlap and FP8-cache rows predate it);",
+    "planner-overlap rows predate it);",
     "the CUDA planner hashes without predication, forms a member bit by a funnel shift and divides by no runtime "
     "value (-1% planning, `h200_plan_nodiv_ab_2b324a0.json`; measured in the engine-shape section, the "
-    "planner-overlap and FP8-cache rows predate it).",
+    "planner-overlap rows predate it);",
+    "a call's order kernel, attention and repair pass are chained launches (programmatic dependent launches) and "
+    "the attention's and the repair pass's work counters are zeroed with the repair queue: 6 GPU operations a call "
+    "where there were 8, spans 8-13 us shorter (`h200_call_timeline_6c5dfa7.txt` against "
+    "`h200_call_timeline_unchained_6c5dfa7.txt`; measured in the engine-shape and FP8-cache sections).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
 # What ran at the commits of the recorded files (a result file names its commit only); results of these commits
@@ -345,6 +350,29 @@ def _engine_table(doc) -> list[str]:
     return lines
 
 
+def _unchained_table(doc) -> list[str]:
+    """The run's `call-unchained` rows (``engine_shapes.py --unchained``: the call with a memset before each launch
+    and no programmatic dependent launches, interleaved with the others) beside the call as it ships."""
+    by = {}
+    for r in doc["rows"]:
+        by.setdefault((r.get("shape"), r.get("h")), {})[r.get("method")] = r
+    pairs = [(k, m) for k, m in by.items() if "call-unchained" in m and "call" in m]
+    if not pairs:
+        return []
+    lines = ["The same run's calls with their launches unchained (`--unchained`: a memset before the attention and "
+             "before the repair pass, each launch waiting for the one before it to finish), interleaved with the "
+             "rest; `paired`: the median over rounds of (unchained - chained), each round's two calls timed next to "
+             "each other:", "",
+             "| case | h | call, chained (ms) | call, unchained (ms) | call / kernel, chained / unchained | paired (us) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for (shape, h), m in pairs:
+        c, u = m["call"], m["call-unchained"]
+        paired = statistics.median(b - a for a, b in zip(c["rounds_ms"], u["rounds_ms"])) * 1e3
+        lines.append(f"| {shape} | {h} | {c['ms']:.3f} | {u['ms']:.3f} | {c['call_over_kernel']:.3f} / "
+                     f"{u['call_over_kernel']:.3f} | {paired:+.0f} |")
+    return lines + [""]
+
+
 def _engine(docs, paths, root) -> list[str]:
     """The engine-shape section: ``docs`` newest first (the first: the current code's run; the others earlier
     runs, e.g. the last one beside FlashMLA), ``paths`` their files."""
@@ -377,6 +405,7 @@ def _engine(docs, paths, root) -> list[str]:
               + ("." if any(r.get("method") == "flashmla" for r in doc["rows"]) else
                  "; FlashMLA was not timed in this run (\"-\"): the earlier run below ran beside it."), "",
               *_engine_table(doc), ""]
+    lines += _unchained_table(doc)
     for d, p in zip(docs[1:], paths[1:]):
         same = d.get("commit") == doc.get("commit")
         lines += [(f"The same code beside FlashMLA ({_header_lines(d, p, root)}; fewer rounds, so its call / kernel "
