@@ -94,12 +94,7 @@ def _carve(workspace, shapes: dict, need: int, device) -> dict:
     if workspace.numel() < need:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {need} "
                          f"(plan_workspace_bytes)")
-    return _views(workspace, shapes)
-
-
-def _views(buf, shapes: dict) -> dict:
-    """Int32 views of ``shapes`` in the uint8 ``buf``, in order, each slice ``WORKSPACE_ALIGN``-aligned."""
-    flat, out, off = buf.view(-1), {}, 0
+    flat, out, off = workspace.view(-1), {}, 0
     for name, shape in shapes.items():
         n = math.prod(shape)
         out[name] = flat[off:off + 4 * n].view(torch.int32).view(shape)
@@ -118,11 +113,10 @@ def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: boo
     ``dropped`` come uninitialized, for a planner that writes every slot and every query's count itself.
     """
     shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
-    need = sum(_aligned_bytes(sh) for sh in shapes.values())
-    if workspace is None:  # one allocation carved as a workspace is: a torch.empty costs the host 6-10 us a tensor
-        out = _views(torch.empty(need, dtype=torch.uint8, device=device), shapes)
+    if workspace is None:
+        out = {name: torch.empty(shape, dtype=torch.int32, device=device) for name, shape in shapes.items()}
     else:
-        out = _carve(workspace, shapes, need, device)
+        out = _carve(workspace, shapes, sum(_aligned_bytes(sh) for sh in shapes.values()), device)
     out.setdefault("tile_mask", None)
     out.setdefault("priv_idx", None)
     out.setdefault("priv_n", None)
