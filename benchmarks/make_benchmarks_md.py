@@ -180,7 +180,8 @@ def _status(docs) -> list[str]:
         ">",
         "> The engine-shape run (without the items that say its rows predate them) measured the kernel with a "
         "prebuilt plan at the old",
-        "> grid's time (3.42-3.45 / 2.12-2.16 ms at 16 / 8 heads, pools of 64K-4M rows; grid 3.40 / 2.13) and the "
+        "> grid's time within 1-2% (3.44-3.46 / 2.15-2.17 ms at 16 / 8 heads, pools of 64K-4M rows; grid 3.40 / 2.13) "
+        "and the "
         "CUDA planner at",
         "> 0.21-0.22 / 0.23 ms (the old byte-table planner: 0.19 at a 64K context only; `docs/design-log.md`). Re-run",
         "> the grid before quoting a grid number as the current code's.",
