@@ -335,12 +335,18 @@ def _planning(grid_rows, overlap, beside, root, paths) -> list[str]:
     return lines
 
 
+def _by_shape(rows) -> dict:
+    """``{(shape, h): {method: row}}`` of an engine-shape or FP8-cache run's rows."""
+    by = {}
+    for r in rows:
+        by.setdefault((r.get("shape"), r.get("h")), {})[r.get("method")] = r
+    return by
+
+
 def _engine_table(doc) -> list[str]:
     lines = ["| case | h | kernel ms | call ms | call / kernel | plan ms | FlashMLA ms | FlashMLA / call | "
              "extra MiB | rel_err |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    by = {}
-    for r in doc["rows"]:
-        by.setdefault((r.get("shape"), r.get("h")), {})[r.get("method")] = r
+    by = _by_shape(doc["rows"])
     for (shape, h), m in by.items():
         c, k, f = m.get("call", {}), m.get("kernel", {}), m.get("flashmla") or {}
         num = _num
@@ -354,9 +360,7 @@ def _engine_table(doc) -> list[str]:
 def _unchained_table(doc) -> list[str]:
     """The run's `call-unchained` rows (``engine_shapes.py --unchained``: the call with a memset before each launch
     and no programmatic dependent launches, interleaved with the others) beside the call as it ships."""
-    by = {}
-    for r in doc["rows"]:
-        by.setdefault((r.get("shape"), r.get("h")), {})[r.get("method")] = r
+    by = _by_shape(doc["rows"])
     pairs = [(k, m) for k, m in by.items() if "call-unchained" in m and "call" in m]
     if not pairs:
         return []
@@ -625,10 +629,7 @@ def _fp8_cache(docs, paths, root) -> list[str]:
              "/ bf16 | widen kernel | expand call | compact call | default call | extra MiB expand / compact / "
              "widen | same bits |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    by = {}
-    for doc in docs:
-        for r in doc["rows"]:
-            by.setdefault((r["shape"], r["h"]), {})[r["method"]] = r
+    by = _by_shape([r for doc in docs for r in doc["rows"]])
     for (shape, h), m in sorted(by.items(), key=lambda kv: (kv[0][0] != "pool-64K", kv[0][0], kv[0][1])):
         ms = lambda k: f"{m[k]['ms']:.3f}" if k in m else "-"  # noqa: E731
         ratio = lambda k: f"{m[k]['over_bf16_kernel']:.3f}" if k in m else "-"  # noqa: E731

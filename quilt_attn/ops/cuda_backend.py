@@ -448,10 +448,10 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     if _ctas is None:
         _ctas = sm_count(q.device)
     ctas = min(int(_ctas), prm.n_work)
-    if counter is not None and CHAIN_LAUNCHES and not fp8mma:
-        if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != q.device:
-            raise ValueError(f"counter must be one int32 on q's device, got {counter.dtype} {tuple(counter.shape)} "
-                             f"on {counter.device}")
+    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != q.device):
+        raise ValueError(f"counter must be one int32 on q's device, got {counter.dtype} {tuple(counter.shape)} "
+                         f"on {counter.device}")
+    if counter is not None and CHAIN_LAUNCHES and not fp8mma:  # (the FP8 mode's launch zeroes its own)
         prm.launch_flags |= _LAUNCH_COUNTER_ZEROED
     else:
         counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream

@@ -1,8 +1,9 @@
 // Host side: one kernel launch, chained or not. A chained launch is a programmatic dependent launch (PDL): the
 // grid may be scheduled while the kernel ahead of it in the stream still runs, onto SMs as that kernel's CTAs
 // leave them, so its launch latency and set-up overlap that kernel's tail. Correct only for kernels that call
-// quilt_ptx::grid_dependency_wait() before their first read of another kernel's output (every kernel of the
-// library does, first thing); the wait is a no-op when the launch is not chained.
+// quilt_ptx::grid_dependency_wait() before their first read of another kernel's output: the attention kernel
+// and the order kernel, the two launched chained, do so first thing (the wait is a no-op when a launch is not
+// chained); the planner, the FP8 mode's kernel and q's quantization are never launched chained.
 #pragma once
 #include <cuda_runtime.h>
 
