@@ -1,7 +1,7 @@
 """GPU time per kernel of one ``sparse_prefill`` call (torch profiler): where a call's time goes beside the attention.
 
 Cases: bf16 kv of a 64K context and an FP8 pool of 4M rows (slot ids, ``engine_shapes.SHAPES["pool-4M"]``),
-GLM-5.3-like, s_q 16384, h = 16 and 8, default arguments. Ten calls are profiled after five warm-up calls; each
+GLM-5.3-like, s_q 16384, h = 16 and 8 (``--heads``), default arguments. Ten calls are profiled after five warm-up calls; each
 kernel's device time is averaged over them. The call's output is checked against the float32 reference on
 sampled queries first (``rel_err`` printed; exit 1 above ``CALL_REL_L2`` or on a NaN).
 
@@ -123,7 +123,10 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--out", default=None, help="a text file for the tables (optional)")
     p.add_argument("--timeline", default=None, help="comma-separated engine shapes: each call's operations in order")
     p.add_argument("--host", action="store_true", help="with --timeline: the host time of the call's pieces")
+    p.add_argument("--heads", default="16,8", help="comma-separated head counts (default 16,8)")
+    p.add_argument("--kinds", default="bf16,fp8", help="without --timeline: bf16 (64K context), fp8 (4M-row pool)")
     a = p.parse_args(argv)
+    heads = [int(x) for x in a.heads.split(",")]
     env = environment()
     lines = [f"{env.get('gpu')}, commit {env.get('commit')}, {env.get('date')}, torch {env.get('versions', {}).get('torch')}"]
     worst = 0.0
@@ -132,7 +135,7 @@ def main(argv=None, prog=None) -> int:
         idx = paged_indices(shape, "glm53-like", 2048, 0, "cuda")
         s_q = idx.shape[0]
         kv = torch.randn(shape.pool, 576, device="cuda", dtype=torch.bfloat16)
-        for h in (16, 8):
+        for h in heads:
             q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.bfloat16)
             inputs = Inputs(Case("glm53-like", h, kv="bf16", s_q=s_q, s_kv=shape.pool), idx, [(q, kv)])
             chk = check(inputs, *quilt_attn.sparse_prefill(q, kv, idx), n_check=128)
@@ -145,8 +148,8 @@ def main(argv=None, prog=None) -> int:
         torch.cuda.empty_cache()
     if a.timeline:
         return _finish(lines, a.out, worst)
-    for kind in ("bf16", "fp8"):
-        for h in (16, 8):
+    for kind in a.kinds.split(","):
+        for h in heads:
             if kind == "bf16":
                 s_q, s_kv = 16384, 65536
                 idx = generate("glm53-like", s_q, s_kv, 2048, seed=7, device="cuda")
