@@ -71,15 +71,6 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
                 del plan._work[key]
         compact_kernel(q, cache, idx, plan)
 
-    def row_map_off(fn):  # query programs reading a renumbered copy of their lists (FP8_ROW_MAP's A/B)
-        def run(*a):
-            cuda_backend.FP8_ROW_MAP = False
-            try:
-                return fn(*a)
-            finally:
-                cuda_backend.FP8_ROW_MAP = True
-        return run
-
     def call(q, cache, idx, mode: str):
         knobs = (cuda_backend.FP8_IN_KERNEL, cuda_backend.FP8_COMPACT_POOL)
         cuda_backend.FP8_IN_KERNEL = mode == "widen"
@@ -101,10 +92,6 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
         "compact-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "compact"),
         "default-call": lambda i: call(sets[i][0], sets[i][1], sets[i][3], "default"),
     }
-
-    if all(p is None for p in plans):
-        variants["compact-copy-kernel"] = lambda i: row_map_off(compact_kernel)(sets[i][0], sets[i][1], sets[i][3], None)
-        variants["compact-copy-call"] = lambda i: row_map_off(call)(sets[i][0], sets[i][1], sets[i][3], "compact")
 
     def with_library(path, fn):
         def run(i):
@@ -134,7 +121,7 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
         if name.startswith(("widen-kernel", "compact-")):
             result[name]["same_bits_as_bf16"] = bool(torch.equal(kernel_out[name], kernel_out["bf16-kernel"]))
     out_bytes = s_q * h * (D_V * 2 + 8)
-    for name in [n for n in variants if n.endswith("-call")]:
+    for name in ("expand-call", "widen-call", "compact-call", "default-call"):
         result[name]["extra_mib"] = extra_mib(lambda n=name: variants[n](0), out_bytes)
     times = time_alternating(variants, rounds, warmup, rep)
     for name, r in result.items():
@@ -175,11 +162,6 @@ def main(argv=None, prog=None) -> int:
                   f"{c['same_bits_as_bf16']} / {cf['same_bits_as_bf16']} | "
                   f"{got['expand-call']['extra_mib']:.0f} / {got['widen-call']['extra_mib']:.0f} / "
                   f"{got['compact-call']['extra_mib']:.0f} | {c['rel_err']:.1e} |", flush=True)
-            if "compact-copy-kernel" in got:  # query programs: the lists renumbered into a copy (FP8_ROW_MAP off)
-                ck, cc = got["compact-copy-kernel"], got["compact-copy-call"]
-                print(f"|   lists copied | {h} | | | | {ck['ms']:.3f} | | | | {cc['ms']:.3f} | | "
-                      f"{ck['over_bf16_kernel']:.3f} | {ck['same_bits_as_bf16']} | {cc['extra_mib']:.0f} | "
-                      f"{ck['rel_err']:.1e} |", flush=True)
             for bname in builds:
                 r = got[f"widen-kernel:{bname}"]
                 print(f"|   build {bname} | {h} | | | {r['ms']:.3f} | | | {r['over_bf16_kernel']:.3f} | "

@@ -50,8 +50,7 @@ class _Params(ctypes.Structure):
                                              "from_plan", "n_work", "nhb")]
     _fields_ += [("work_counter", ctypes.c_void_p), ("scale2", ctypes.c_float), ("skip", ctypes.c_int),
                  ("run_flag", ctypes.c_void_p), ("run_when", ctypes.c_int), ("repair", ctypes.c_void_p),
-                 ("q_scale", ctypes.c_void_p), ("queue", ctypes.c_void_p), ("row_map", ctypes.c_void_p),
-                 ("map_rows", ctypes.c_int), ("launch_flags", ctypes.c_int)]
+                 ("q_scale", ctypes.c_void_p), ("queue", ctypes.c_void_p), ("launch_flags", ctypes.c_int)]
 
 
 # Params.launch_flags (csrc/sm90_config.cuh)
@@ -374,7 +373,7 @@ def work_items(h: int, s_q: int, plan=None) -> int:
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
            partial: bool = False, tile_kv=None, run_if=None, repair=None, queue=None, q_scale=None, counter=None,
-           row_map=None, _skip: int = 0, _ctas: int | None = None) -> None:
+           _skip: int = 0, _ctas: int | None = None) -> None:
     """One pass of the sm_90a kernel over ``plan``'s tiles or, without a plan, ``indices`` query by query.
 
     ``q [s_q, h, 576]``, ``kv [s_kv, 576]`` (q's dtype, unit stride in the last dimension),
@@ -395,8 +394,6 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     ``counter``: an int32 ``[1]`` on q's device holding 0 (``sparse_attention.spare_word``), the launch's work
     counter, used up by it; None: one of its own, zeroed by the launch. With ``CHAIN_LAUNCHES`` the launch is
     chained to the kernel before it in the stream (the FP8 mode's is not).
-    ``row_map``: query programs only, kv an FP8 pool's compacted rows and ``indices`` the pool's rows: int32
-    ``[pool rows]`` (``fp8_compact.Compaction.row_map``), pool row ``r``'s kv row ``row_map[r] - 1``.
     """
     fp8mma = q_scale is not None
     if fp8mma and (partial or kv.dtype != torch.uint8 or q.dtype != torch.uint8 or q.shape[2] != FP8_Q_BYTES
@@ -447,12 +444,6 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
     else:
         prm.indices, prm.stride_idx, prm.topk = indices.data_ptr(), indices.stride(0), indices.shape[1]
         prm.topk_length = _ptr(topk_length)
-    if row_map is not None:
-        if (plan is not None or queue is not None or fp8mma or row_map.dtype != torch.int32 or row_map.dim() != 1
-                or not row_map.is_contiguous() or row_map.device != q.device):
-            raise ValueError(f"row_map maps query programs' rows (no plan, queue or q_scale): contiguous int32 [rows] "
-                             f"on q's device, got {row_map.dtype} {tuple(row_map.shape)} on {row_map.device}")
-        prm.row_map, prm.map_rows = row_map.data_ptr(), row_map.numel()
     prm.nhb, prm.n_work = -(-h // hb), work_items(h, s_q, plan)
     if _ctas is None:
         _ctas = sm_count(q.device)
@@ -565,9 +556,6 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
 # (dispatch.kernel_kv); a call referencing more distinct rows widens them in the kernel instead.
 FP8_COMPACT_POOL = 1 << 19
 FP8_COMPACT_ROWS = 1 << 17
-# Query programs over compacted rows look each pool row up in the kernel (launch's row_map) instead of reading a
-# renumbered copy of the lists. False (measurement only): the copy.
-FP8_ROW_MAP = True
 
 
 def _compacts(kv) -> bool:
@@ -588,8 +576,7 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
     call and kept with the plan (``Plan.cached``; one more int32 a column), so a plan reused across calls pays
     only the widening. ``plan_is_spent``: a plan the call made and drops after it, renumbered in place instead
     (no copy of its columns; the plan then addresses the compact rows). Query programs number their index lists
-    every call and, with ``FP8_ROW_MAP``, read them as they are, each row looked up in the kernel (no renumbered
-    copy: one int32 an entry)."""
+    every call."""
     from .fp8_compact import compact_columns  # a Triton kernel module: imported when first used
 
     cap = min(FP8_COMPACT_ROWS if cap is None else cap, cache.shape[0])
@@ -603,9 +590,9 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
         compact = dict(plan=plan, tile_kv=c.columns)
     else:
         indices = indices.contiguous()
-        c = compact_columns(indices, s_kv, cap, packed=False, renumber=not FP8_ROW_MAP)
+        c = compact_columns(indices, s_kv, cap, packed=False)
         work = dict(indices=indices, topk_length=topk_length)
-        compact = dict(work, row_map=c.row_map) if FP8_ROW_MAP else dict(indices=c.columns, topk_length=topk_length)
+        compact = dict(indices=c.columns, topk_length=topk_length)
     launch(q, c.widen(cache), sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 1), repair=repair,
            **compact)
     launch(q, cache, sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 0), repair=repair, **work)

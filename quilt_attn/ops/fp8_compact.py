@@ -76,24 +76,19 @@ class Compaction:
         launch must run).
     columns : int32 like the words: each referencing word with its row renumbered, the others unchanged; all
         of them unchanged when the rows do not fit (``fits`` 0: the caller's launch over the cache reads them).
-        None when not renumbered (``compact_columns(renumber=False)``).
-    row_map : int32 ``[s_kv]``, referenced rows up to and including each pool row: a referenced row ``r``'s
-        compact number is ``row_map[r] - 1`` (the lookup a kernel can make itself instead of reading ``columns``).
     """
 
     rows: torch.Tensor
     count: torch.Tensor
     fits: torch.Tensor
-    columns: torch.Tensor | None
-    row_map: torch.Tensor
+    columns: torch.Tensor
 
     def widen(self, cache: torch.Tensor) -> torch.Tensor:
         """bf16 ``[cap, 576]``: the referenced rows of ``cache`` dequantized (rows past ``count`` not written)."""
         return expand_fp8(cache, rows=self.rows, count=self.count)  # (a 64K context: at most half the buffer)
 
 
-def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, in_place: bool = False,
-                    renumber: bool = True) -> Compaction:
+def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, in_place: bool = False) -> Compaction:
     """Number the rows of a pool of ``s_kv`` rows that ``words`` reference and renumber the words to them.
 
     Parameters
@@ -105,7 +100,6 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     in_place : renumber ``words`` themselves (``columns`` is then ``words``; left as they are when the rows
         overflow ``cap``): for columns nobody reads after this call, a plan made inside it (saves a copy of
         them: 128 MiB at s_q 16384, Top-2048).
-    renumber : False: no renumbered columns (``columns`` None), for a reader that looks rows up in ``row_map``.
     """
     if words.dtype != torch.int32 or not words.is_contiguous():
         raise ValueError(f"words must be contiguous int32, got {words.dtype}")
@@ -125,9 +119,7 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     # compact row i is the first pool row where the count reaches i + 1
     want = torch.arange(1, cap + 1, dtype=torch.int32, device=words.device)
     rows = torch.searchsorted(incl, want, out_int32=True).clamp_(max=s_kv - 1)
-    if not renumber:
-        return Compaction(rows, count.clone(), fits, None, incl)
     columns = words if in_place else torch.empty_like(words)  # (each word is read, then written, by one lane)
     if n:
         _remap_kernel[grid](words, n, incl, fits, columns, s_kv, PACKED=packed, BLOCK=BLOCK)
-    return Compaction(rows, count.clone(), fits, columns, incl)
+    return Compaction(rows, count.clone(), fits, columns)

@@ -92,9 +92,6 @@ struct Params {
                             //   rows: 512 e4m3 latent bytes, 64 bf16 rope values divided by the scale)
   const int* queue;         // or null: the repair pass, query programs over indices for the queries a repair
                             //   queue holds (its count read here, on the device), program i its i-th query
-  const int* row_map;       // or null: query programs whose kv is an FP8 pool's compacted rows read the pool's
-  int map_rows;             //   indices and look each row up here: row r < map_rows is kv row row_map[r] - 1
-                            //   (ops/fp8_compact.py's prefix counts; no renumbered copy of the lists)
   int launch_flags;         // kLaunch* below: how the launch is made (the kernel itself reads none of them)
 };
 
@@ -110,8 +107,7 @@ enum : int { kLaunchChained = 1, kLaunchCounterZeroed = 2 };
   X(q) X(kv) X(out) X(max_logits) X(lse) X(sink) X(tile_kv) X(tile_mask) X(prog_tiles) X(prog_ntiles)          \
   X(prog_order) X(indices) X(topk_length) X(stride_qs) X(stride_qh) X(stride_kv) X(stride_idx) X(stride_os)     \
   X(stride_oh) X(s_q) X(s_kv) X(h) X(topk) X(prog_cap) X(group_size) X(qp) X(hb) X(from_plan) X(n_work) X(nhb) \
-  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair) X(q_scale) X(queue) X(row_map) X(map_rows) \
-  X(launch_flags)
+  X(work_counter) X(scale2) X(skip) X(run_flag) X(run_when) X(repair) X(q_scale) X(queue) X(launch_flags)
 
 // The mbarriers (SharedStorage::bar) by role.
 struct Bars {

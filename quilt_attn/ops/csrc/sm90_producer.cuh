@@ -71,20 +71,6 @@ __device__ __forceinline__ void load_slots(const Params& p, const Program& pr, i
   }
 }
 
-// Query programs over an FP8 pool's compacted rows (Params::row_map): each slot's pool row becomes its compact
-// row. The lookup depends on the index load, so it is issued a block after it (map_slots(nxt) once two fills of
-// the block before have run), never right behind it, where the producer would wait out the index load.
-__device__ __forceinline__ void map_slots(const Params& p, Slots& sl) {
-#pragma unroll
-  for (int buf = 0; buf < 2; ++buf) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = sl.row[buf][j];
-      sl.row[buf][j] = static_cast<unsigned>(r) < static_cast<unsigned>(p.map_rows) ? __ldg(p.row_map + r) - 1 : -1;
-    }
-  }
-}
-
 // The DeepSeek FP8 cache row (656 bytes): 512 e4m3 latent values, 4 float32 scales (one per 128 values), 64 bf16
 // rope values. kFp8 kernels read these rows and widen them on the way into shared memory, bf16 tiles as the
 // dense path's: no expanded copy of the pool.
@@ -264,7 +250,6 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
     load_tile_ids(p, pr, 0, tile0);
     load_tile_ids(p, pr, 1, tile_n);
     load_slots(p, pr, 0, g, tile0, cur);
-    if (p.row_map != nullptr) map_slots(p, cur);  // (the program's first block: its wait is not hidden)
     // q first: the consumers free its shared memory after their last QK of the previous program, before
     // the last PVs that free the kv buffers, so its wait is the shorter one
     hand_over<T>(p, w, pr, hblock, k, t, smem, bars);
@@ -274,7 +259,6 @@ __device__ void produce(const Params& p, uint8_t* smem, const Bars& bars) {
       load_tile_ids(p, pr, b + 2, tile_nn);
       fill(0, 0, phase);
       fill(1, 1, phase);
-      if (p.row_map != nullptr) map_slots(p, nxt);
       fill(0, 1, phase);
       fill(1, 0, phase);
       cur = nxt;
