@@ -4,7 +4,9 @@ The pass sets a mark for every pool row that a plan column references (a call of
 ~44K distinct rows, slot ids into a pool of 1M or 4M rows). Variants: int32 or byte marks; every column stores
 its mark, or reads it first and stores only where it is still 0 (``read``); programs launched in column order
 or in bit-reversed order (``spread``: the programs in flight together take columns of groups far apart, so they
-do not all reach the same rows at once). Each variant's marks are compared with the first's (exit 1 if any
+do not all reach the same rows at once); and ``cuda_dedup``, the CUDA pass (``cuda_backend.mark_rows``: each CTA's
+rows deduplicated in shared memory first). Cases: the plan columns at h = 16 and 8, the index lists themselves at
+h = 64 (query programs). Each variant's marks are compared with the first's (exit 1 if any
 differs); times are medians of ``do_bench`` over alternating rounds, the marks' zeroing included.
 
     python benchmarks/run.py fp8-mark-ab [--out F.txt]
@@ -22,6 +24,7 @@ import triton.language as tl
 import quilt_attn
 from engine_shapes import SHAPES, paged_indices
 from quilt_attn import dispatch
+from quilt_attn.ops import cuda_backend
 from quilt_attn.ops.sparse_attention import column_row
 from quilt_bench.bench import environment
 
@@ -64,10 +67,14 @@ def main(argv=None, prog=None) -> int:
     ok_all = True
     for name in ("pool-4M", "pool-1M"):
         shape = SHAPES[name]
-        for h in (16, 8):
+        for h in (16, 8, 64):
             idx = paged_indices(shape, "glm53-like", 2048, 0, "cuda")
-            pl = quilt_attn.plan(idx, s_kv=shape.pool, **dispatch.plan_settings(h, "cuda"))
-            words = pl.tile_kv.contiguous()
+            packed = dispatch.decide("cuda", "quilt", h).quilt  # else query programs: the index lists themselves
+            if packed:
+                pl = quilt_attn.plan(idx, s_kv=shape.pool, **dispatch.plan_settings(h, "cuda"))
+                words = pl.tile_kv.contiguous()
+            else:
+                words = idx.contiguous()
             n = words.numel()
             nprog = triton.cdiv(n, 1024)
             logp = (nprog - 1).bit_length()
@@ -77,8 +84,11 @@ def main(argv=None, prog=None) -> int:
                 grid = ((1 << logp) if spread else nprog,)
                 marks[v] = m
                 fns[v] = (lambda m=m, rd=rd, byte=byte, spread=spread, grid=grid: (m.zero_(), _mark[grid](
-                    words, n, m, shape.pool, logp, PACKED=True, BLOCK=1024, READ=rd, BYTE=byte, SPREAD=spread)))
+                    words, n, m, shape.pool, logp, PACKED=packed, BLOCK=1024, READ=rd, BYTE=byte, SPREAD=spread)))
                 fns[v]()
+            m = marks["cuda_dedup"] = torch.zeros(shape.pool, dtype=torch.uint8, device="cuda")
+            fns["cuda_dedup"] = lambda m=m: (m.zero_(), cuda_backend.mark_rows(words, shape.pool, m, packed))
+            fns["cuda_dedup"]()
             torch.cuda.synchronize()
             first = marks[next(iter(marks))].to(torch.uint8)
             same = {v: torch.equal(m.to(torch.uint8), first) for v, m in marks.items()}
@@ -87,7 +97,7 @@ def main(argv=None, prog=None) -> int:
             for r in range(a.rounds):
                 for v in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
                     t[v].append(triton.testing.do_bench(fns[v], warmup=10, rep=40, return_mode="median"))
-            lines.append(f"| {name} | {h} | {int(first.sum())} rows | " + " | ".join(
+            lines.append(f"| {name} | {h} | {'plan columns' if packed else 'index lists'} {n} | {int(first.sum())} rows | " + " | ".join(
                 f"{v} {statistics.median(t[v]) * 1e3:.1f}{'' if same[v] else ' DIFFERS'}" for v in fns) + " |")
             print(lines[-1], flush=True)
     if a.out:

@@ -429,6 +429,48 @@ def test_cuda_fp8_pool_compacted_equals_expanded(h, method, cap, monkeypatch, na
 
 @gpu
 @on_hopper
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_mark_rows_marks_every_referenced_row(packed):
+    """``cuda_backend.mark_rows`` (each CTA's rows deduplicated in shared memory before it stores) marks exactly the
+    referenced rows: neighbouring lists that share rows, a span of more distinct rows than its hash set holds (the
+    entries it cannot place mark their rows themselves), invalid and padding words, a count of words that is not a
+    multiple of a CTA's span, one word and none; the compaction through it equals the Triton pass's; bad arguments
+    raise ``ValueError``."""
+    from quilt_attn.ops import fp8_compact
+
+    s_kv = 3_000_000 if not packed else 1 << 20
+    g = torch.Generator(device="cuda").manual_seed(2)
+    shared = torch.randint(0, s_kv, (4096,), device="cuda", generator=g, dtype=torch.int32)
+    lists = shared[torch.randint(0, 4096, (70, 2048), device="cuda", generator=g)]  # mostly the same rows
+    wide = torch.randint(0, s_kv, (40000,), device="cuda", generator=g, dtype=torch.int32)  # mostly distinct
+    words = torch.cat([lists.view(-1), wide])
+    words[::97] = -1
+    words[5::101] = s_kv + 3
+    if packed:
+        bits = torch.randint(1, 256, words.shape, device="cuda", generator=g, dtype=torch.int32)
+        words = torch.where(words >= 0, words | (bits << 24), words)
+    rows = (words & 0xFFFFFF) if packed else words
+    valid = (rows >= 0) & (rows < s_kv) & (words != -1)
+    for n in (words.numel(), 12345, 1, 0):
+        w, ok = words[:n].contiguous(), valid[:n]
+        want = torch.zeros(s_kv, dtype=torch.uint8, device="cuda")
+        want[rows[:n][ok].long()] = 1
+        got = torch.zeros(s_kv, dtype=torch.uint8, device="cuda")
+        cuda_backend.mark_rows(w, s_kv, got, packed)
+        assert torch.equal(got, want), f"{n} words: {int((got != want).sum())} marks differ"
+    cap = 60000
+    a = fp8_compact.compact_columns(words, s_kv, cap, packed=packed)
+    b = fp8_compact.compact_columns(words, s_kv, cap, packed=packed, mark_rows=cuda_backend.mark_rows)
+    for x, y, name in zip((a.rows, a.count, a.fits, a.columns), (b.rows, b.count, b.fits, b.columns), "rcfw"):
+        assert torch.equal(x, y), f"compaction through mark_rows: {name} differs"
+    with pytest.raises(ValueError, match="mark_rows"):
+        cuda_backend.mark_rows(words.long(), s_kv, got, packed)
+    with pytest.raises(ValueError, match="mark_rows"):
+        cuda_backend.mark_rows(words, s_kv + 1, got, packed)
+
+
+@gpu
+@on_hopper
 @pytest.mark.parametrize("h", [8, 16, 32])
 @pytest.mark.parametrize("cap", ["fits", "overflows"])
 def test_cuda_fp8_caller_plan_keeps_its_row_numbering(h, cap, monkeypatch, nan_poison):

@@ -1,7 +1,7 @@
 """CUDA backend (Hopper, sm_90a): built on first use, launched through ctypes.
 
-The kernels (``csrc/quilt_sm90.cu``: attention; ``csrc/quilt_plan.cu``: the planner) have no torch
-dependency: nvcc builds them into one plain shared library (about 10 s), cached under ``$QUILT_CUDA_CACHE`` (default ``~/.cache/quilt_attn``) by a
+The kernels (``csrc/quilt_sm90.cu``: attention; ``csrc/quilt_plan.cu``: the planner; ``csrc/quilt_compact.cu``:
+the FP8 compaction's mark pass) have no torch dependency: nvcc builds them into one plain shared library (about 10 s), cached under ``$QUILT_CUDA_CACHE`` (default ``~/.cache/quilt_attn``) by a
 hash of the sources and flags, so one build serves every torch version and later runs load it at
 once. Tensors are passed as raw pointers on torch's current stream.
 
@@ -27,7 +27,7 @@ from ..reference import LOG2E
 from .shapes import program_shape, sm_count
 
 CSRC = Path(__file__).with_name("csrc")
-UNITS = ("quilt_sm90.cu", "quilt_plan.cu")  # translation units, linked into one library
+UNITS = ("quilt_sm90.cu", "quilt_plan.cu", "quilt_compact.cu")  # translation units, linked into one library
 # what the build-cache hash covers: the units and every header beside them
 SOURCES = (*UNITS, *sorted(p.name for p in CSRC.glob("*.cuh")))
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--use_fast_math",
@@ -167,6 +167,10 @@ def _library():
             lib.quilt_program_order_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                        ctypes.c_int, ctypes.c_void_p]
             lib.quilt_program_order_launch.restype = ctypes.c_int
+            if hasattr(lib, "quilt_compact_mark_launch"):  # (a study's own build may leave the unit out)
+                lib.quilt_compact_mark_launch.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                lib.quilt_compact_mark_launch.restype = ctypes.c_int
             for struct, prefix in ((_Params, "quilt_sm90"), (_PlanParams, "quilt_plan")):
                 ours = mirror_layout(struct)
                 # (a library built before the layout table: its size is all there is to check)
@@ -351,6 +355,20 @@ def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
     if err != 0:
         raise CudaBackendError(f"program order launch failed: {lib.quilt_sm90_error_string(err).decode()}")
     return order
+
+
+def mark_rows(words: torch.Tensor, s_kv: int, mark: torch.Tensor, packed: bool) -> None:
+    """``mark[r] = 1`` for every pool row ``r`` that ``words`` reference (``fp8_compact.compact_columns``' mark pass,
+    by ``csrc/quilt_compact.cu``: each CTA's rows deduplicated in shared memory first), for contiguous int32
+    ``words`` and a zeroed uint8 ``mark [s_kv]`` on one GPU. No host sync."""
+    if (words.dtype != torch.int32 or not words.is_contiguous() or mark.dtype != torch.uint8 or mark.dim() != 1
+            or mark.numel() != s_kv or not mark.is_contiguous() or words.device != mark.device or not words.is_cuda):
+        raise ValueError(f"mark_rows sets uint8 marks [s_kv={s_kv}] from contiguous int32 words on one GPU; got words "
+                         f"{words.dtype} on {words.device}, marks {mark.dtype} {tuple(mark.shape)} on {mark.device}")
+    err = _library().quilt_compact_mark_launch(words.data_ptr(), words.numel(), s_kv, int(packed), mark.data_ptr(),
+                                               ctypes.c_void_p(_raw_stream(words.device)))
+    if err != 0:
+        raise CudaBackendError(f"mark launch failed: {_library().quilt_sm90_error_string(err).decode()}")
 
 
 def plan_programs(plan, qp: int):
@@ -556,6 +574,9 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
 # (dispatch.kernel_kv); a call referencing more distinct rows widens them in the kernel instead.
 FP8_COMPACT_POOL = 1 << 19
 FP8_COMPACT_ROWS = 1 << 17
+# The compaction's mark pass over query programs' index lists by the CUDA kernel (mark_rows: 16 neighbouring
+# lists' rows deduplicated in shared memory before any store); False (measurement only): the Triton pass.
+FP8_CUDA_MARK = True
 
 
 def _compacts(kv) -> bool:
@@ -590,7 +611,7 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
         compact = dict(plan=plan, tile_kv=c.columns)
     else:
         indices = indices.contiguous()
-        c = compact_columns(indices, s_kv, cap, packed=False)
+        c = compact_columns(indices, s_kv, cap, packed=False, mark_rows=mark_rows if FP8_CUDA_MARK else None)
         work = dict(indices=indices, topk_length=topk_length)
         compact = dict(indices=c.columns, topk_length=topk_length)
     launch(q, c.widen(cache), sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 1), repair=repair,

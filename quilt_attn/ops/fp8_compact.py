@@ -88,7 +88,8 @@ class Compaction:
         return expand_fp8(cache, rows=self.rows, count=self.count)  # (a 64K context: at most half the buffer)
 
 
-def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, in_place: bool = False) -> Compaction:
+def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, in_place: bool = False,
+                    mark_rows=None) -> Compaction:
     """Number the rows of a pool of ``s_kv`` rows that ``words`` reference and renumber the words to them.
 
     Parameters
@@ -100,6 +101,8 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     in_place : renumber ``words`` themselves (``columns`` is then ``words``; left as they are when the rows
         overflow ``cap``): for columns nobody reads after this call, a plan made inside it (saves a copy of
         them: 128 MiB at s_q 16384, Top-2048).
+    mark_rows : None, or the mark pass to run instead of this module's: ``mark_rows(words, s_kv, mark, packed)``
+        sets ``mark[r] = 1`` (uint8, zeroed) for every referenced row ``r`` (``cuda_backend.mark_rows``).
     """
     if words.dtype != torch.int32 or not words.is_contiguous():
         raise ValueError(f"words must be contiguous int32, got {words.dtype}")
@@ -110,7 +113,9 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     n = words.numel()
     mark = torch.zeros(s_kv, dtype=torch.uint8, device=words.device)  # (a byte a pool row)
     grid = (triton.cdiv(n, BLOCK),)
-    if n:
+    if n and mark_rows is not None:
+        mark_rows(words, s_kv, mark, packed)
+    elif n:
         logp = (grid[0] - 1).bit_length()
         _mark_kernel[(1 << logp,)](words, n, mark, s_kv, logp, PACKED=packed, BLOCK=BLOCK)
     incl = torch.cumsum(mark, 0, dtype=torch.int32)  # referenced rows up to and including each row
