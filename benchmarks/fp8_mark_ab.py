@@ -5,9 +5,7 @@ The pass sets a mark for every pool row that a plan column references (a call of
 its mark, or reads it first and stores only where it is still 0 (``read``); programs launched in column order
 or in bit-reversed order (``spread``: the programs in flight together take columns of groups far apart, so they
 do not all reach the same rows at once); and ``cuda_dedup``, the CUDA pass (``cuda_backend.mark_rows``: each CTA's
-rows deduplicated in shared memory first; ``_read`` reads a new row's mark before storing it). Then the renumbering
-pass that follows the marks, Triton's (``remap_triton``) against the CUDA one (``remap_cuda``: a distinct row's
-count read once a CTA), outputs compared. Cases: the plan columns at h = 16 and 8, the index lists themselves at
+rows deduplicated in shared memory first, a new row's mark read before it is stored). Cases: the plan columns at h = 16 and 8, the index lists themselves at
 h = 64 (query programs). Each variant's marks are compared with the first's (exit 1 if any
 differs); times are medians of ``do_bench`` over alternating rounds, the marks' zeroing included.
 
@@ -26,7 +24,7 @@ import triton.language as tl
 import quilt_attn
 from engine_shapes import SHAPES, paged_indices
 from quilt_attn import dispatch
-from quilt_attn.ops import cuda_backend, fp8_compact
+from quilt_attn.ops import cuda_backend
 from quilt_attn.ops.sparse_attention import column_row
 from quilt_bench.bench import environment
 
@@ -64,7 +62,6 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--rounds", type=int, default=6)
     a = p.parse_args(argv)
-    fp8_compact_rows = cuda_backend.FP8_COMPACT_ROWS
     env = environment()
     lines = [f"# {env['gpu']}, commit {env['commit']}, {env['date']}; us a pass (marks zeroed and set)"]
     ok_all = True
@@ -89,27 +86,12 @@ def main(argv=None, prog=None) -> int:
                 fns[v] = (lambda m=m, rd=rd, byte=byte, spread=spread, grid=grid: (m.zero_(), _mark[grid](
                     words, n, m, shape.pool, logp, PACKED=packed, BLOCK=1024, READ=rd, BYTE=byte, SPREAD=spread)))
                 fns[v]()
-            for v, rd in (("cuda_dedup_read", True), ("cuda_dedup_store", False)):
-                m = marks[v] = torch.zeros(shape.pool, dtype=torch.uint8, device="cuda")
-                fns[v] = lambda m=m, rd=rd: (m.zero_(), cuda_backend.mark_rows(words, shape.pool, m, packed,
-                                                                                read_first=rd))
-                fns[v]()
-            # the renumbering pass after the marks: Triton's (an incl read an entry) and the CUDA one (a row's incl
-            # read once a CTA), into copies of the words; outputs compared
-            c = fp8_compact.compact_columns(words, shape.pool, min(fp8_compact_rows, shape.pool), packed=packed)
-            incl = torch.cumsum(marks["u8_read_spread"], 0, dtype=torch.int32)
-            outs = {v: torch.empty_like(words) for v in ("remap_triton", "remap_cuda")}
-            grid = (triton.cdiv(n, fp8_compact.BLOCK),)
-            fns["remap_triton"] = lambda: fp8_compact._remap_kernel[grid](
-                words, n, incl, c.fits, outs["remap_triton"], shape.pool, PACKED=packed, BLOCK=fp8_compact.BLOCK)
-            fns["remap_cuda"] = lambda: cuda_backend.remap_rows(words, shape.pool, packed, incl, c.fits,
-                                                                outs["remap_cuda"])
-            fns["remap_triton"]()
-            fns["remap_cuda"]()
+            m = marks["cuda_dedup"] = torch.zeros(shape.pool, dtype=torch.uint8, device="cuda")
+            fns["cuda_dedup"] = lambda m=m: (m.zero_(), cuda_backend.mark_rows(words, shape.pool, m, packed))
+            fns["cuda_dedup"]()
             torch.cuda.synchronize()
             first = marks[next(iter(marks))].to(torch.uint8)
             same = {v: torch.equal(m.to(torch.uint8), first) for v, m in marks.items()}
-            same["remap_triton"] = same["remap_cuda"] = torch.equal(outs["remap_triton"], outs["remap_cuda"])
             ok_all &= all(same.values())
             t = {v: [] for v in fns}
             for r in range(a.rounds):

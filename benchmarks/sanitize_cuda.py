@@ -8,7 +8,7 @@ runs under the sanitizer): QUILT with a plan at h=16 and h=3, query-parallel wit
 and topk_length at h=64, fp16 partial output, the FP8 cache widened in the kernel (QUILT and query-parallel); checks each against the float64 reference (exit 1 above a
 relative L2 error of ``CALL_REL_L2["bf16"]``). Then the FP8 tensor-core mode through the public call (``precision="fp8"``: the
 CUDA planner, q's quantization, the FP8 kernel and its repair pass, all CUDA), checked against its emulation
-(``fp8_mode.sparse_prefill_fp8_kernel_reference``), and the public bf16 call (its launches chained) with a NaN
+(``fp8_mode.sparse_prefill_fp8_kernel_reference``), the FP8 compaction's CUDA mark pass, and the public bf16 call (its launches chained) with a NaN
 kv row. ``--out``: the rows as JSON (with GPU, commit, versions).
 
 ``--strict-sync`` runs the kernel built with QUILT_SANITIZER_SYNC: hand-offs racecheck can model
@@ -85,6 +85,7 @@ def main(argv=None, prog=None) -> int:
         print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} kv {str(kv_dtype):<15} rel-L2 {err:.2e}  nan={nan}")
     rows.append(repair_queue_case(idx_cpu, kv))
     rows.append(chained_call_case(idx_cpu, kv))
+    rows += [mark_rows_case(packed) for packed in (False, True)]
     rows += [fp8mma_case(h, method, idx, cache, nonfinite) for h, method, nonfinite in FP8MMA_CASES]
     return verdict(rows, a.out)
 
@@ -139,6 +140,30 @@ def chained_call_case(idx_cpu, kv) -> dict:
           f"NaN differ={nan}")
     return dict(h=h, plan=True, dtype=str(kv.dtype), kv="bf16 with a NaN row, chained launches", ctas=None,
                 rel_err=err, nan=nan, strict_sync=False)
+
+
+def mark_rows_case(packed: bool) -> dict:
+    """The FP8 compaction's CUDA mark pass (``cuda_backend.mark_rows``) over words of two CTAs' spans and a part,
+    invalid, padding and out-of-pool words among them, rows shared by neighbouring lists and rows past what a CTA's
+    hash set holds. A row: ``rel_err`` 0 when the marks equal the referenced rows exactly."""
+    s_kv = 1 << 20
+    g = torch.Generator(device="cuda").manual_seed(3)
+    words = torch.cat([torch.randint(0, 3000, (40000,), device="cuda", generator=g, dtype=torch.int32),
+                       torch.randint(0, s_kv, (30000,), device="cuda", generator=g, dtype=torch.int32)])
+    words[::53] = -1
+    words[7::61] = s_kv + 1
+    if packed:
+        words = torch.where(words >= 0, words | (5 << 24), words)
+    rows_ = (words & 0xFFFFFF) if packed else words
+    want = torch.zeros(s_kv, dtype=torch.uint8, device="cuda")
+    want[rows_[(rows_ >= 0) & (rows_ < s_kv)].long()] = 1
+    got = torch.zeros_like(want)
+    cuda_backend.mark_rows(words, s_kv, got, packed)
+    torch.cuda.synchronize()
+    ok = torch.equal(got, want)
+    print(f"mark rows packed={packed!s:<5} {words.numel()} words, {int(want.sum())} rows: {'OK' if ok else 'DIFFER'}")
+    return dict(h=0, plan=packed, dtype="int32", kv="FP8 compaction marks", ctas=None, rel_err=0.0 if ok else 1.0,
+                nan=False, strict_sync=False)
 
 
 def torch_plan_on_gpu(idx_cpu, s_kv: int, h: int):

@@ -430,13 +430,12 @@ def test_cuda_fp8_pool_compacted_equals_expanded(h, method, cap, monkeypatch, na
 @gpu
 @on_hopper
 @pytest.mark.parametrize("packed", [False, True])
-def test_cuda_compaction_passes_equal_the_triton_passes(packed):
+def test_cuda_mark_rows_marks_every_referenced_row(packed):
     """``cuda_backend.mark_rows`` (each CTA's rows deduplicated in shared memory before it stores) marks exactly the
     referenced rows: neighbouring lists that share rows, a span of more distinct rows than its hash set holds (the
     entries it cannot place mark their rows themselves), invalid and padding words, a count of words that is not a
-    multiple of a CTA's span, one word and none, with and without reading marks first. The compaction by the CUDA
-    passes (``remap_rows`` too: a row's number read once a CTA) equals the Triton passes', in place as well, fitting
-    or not; bad arguments raise ``ValueError``."""
+    multiple of a CTA's span, one word and none. The compaction through it equals the Triton pass's, in place as
+    well, fitting or not; bad arguments raise ``ValueError``."""
     from quilt_attn.ops import fp8_compact
 
     s_kv = 3_000_000 if not packed else 1 << 20
@@ -456,26 +455,24 @@ def test_cuda_compaction_passes_equal_the_triton_passes(packed):
         w, ok = words[:n].contiguous(), valid[:n]
         want = torch.zeros(s_kv, dtype=torch.uint8, device="cuda")
         want[rows[:n][ok].long()] = 1
-        for read_first in (True, False):
-            got = torch.zeros(s_kv, dtype=torch.uint8, device="cuda")
-            cuda_backend.mark_rows(w, s_kv, got, packed, read_first=read_first)
-            assert torch.equal(got, want), f"{n} words, read first {read_first}: {int((got != want).sum())} differ"
+        got = torch.zeros(s_kv, dtype=torch.uint8, device="cuda")
+        cuda_backend.mark_rows(w, s_kv, got, packed)
+        assert torch.equal(got, want), f"{n} words: {int((got != want).sum())} marks differ"
     for cap in (60000, 1000):  # fits, overflows
         a = fp8_compact.compact_columns(words, s_kv, cap, packed=packed)
-        b = fp8_compact.compact_columns(words, s_kv, cap, packed=packed, cuda_passes=True)
+        b = fp8_compact.compact_columns(words, s_kv, cap, packed=packed, cuda_mark=True)
         spent = words.clone()
-        c = fp8_compact.compact_columns(spent, s_kv, cap, packed=packed, in_place=True, cuda_passes=True)
+        c = fp8_compact.compact_columns(spent, s_kv, cap, packed=packed, in_place=True, cuda_mark=True)
         assert c.columns is spent and int(a.fits) == (cap == 60000)
         for d in (b, c):
             for x, y, name in zip((a.rows, a.count, a.fits, a.columns), (d.rows, d.count, d.fits, d.columns),
                                   ("rows", "count", "fits", "columns")):
-                assert torch.equal(x, y), f"cap {cap}, in place {d is c}: {name} differs from the Triton passes'"
-    with pytest.raises(ValueError, match="CUDA passes"):
-        cuda_backend.mark_rows(words.long(), s_kv, torch.zeros(s_kv, dtype=torch.uint8, device="cuda"), packed)
-    with pytest.raises(ValueError, match="mark"):
-        cuda_backend.mark_rows(words, s_kv + 1, torch.zeros(s_kv, dtype=torch.uint8, device="cuda"), packed)
-    with pytest.raises(ValueError, match="incl"):
-        cuda_backend.remap_rows(words, s_kv, packed, a.rows, a.fits, words.clone())
+                assert torch.equal(x, y), f"cap {cap}, in place {d is c}: {name} differs from the Triton pass's"
+    marks = torch.zeros(s_kv, dtype=torch.uint8, device="cuda")
+    for bad in (dict(words=words.long()), dict(words=words.cpu()), dict(s_kv=s_kv + 1), dict(mark=marks.int())):
+        kw = dict(dict(words=words, s_kv=s_kv, mark=marks, packed=packed), **bad)
+        with pytest.raises(ValueError, match="mark_rows"):
+            cuda_backend.mark_rows(**kw)
 
 
 @gpu

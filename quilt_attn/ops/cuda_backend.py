@@ -169,12 +169,8 @@ def _library():
             lib.quilt_program_order_launch.restype = ctypes.c_int
             if hasattr(lib, "quilt_compact_mark_launch"):  # (a study's own build may leave the unit out)
                 lib.quilt_compact_mark_launch.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                                                          ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
                 lib.quilt_compact_mark_launch.restype = ctypes.c_int
-                lib.quilt_compact_remap_launch.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                                                           ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                                           ctypes.c_void_p, ctypes.c_void_p]
-                lib.quilt_compact_remap_launch.restype = ctypes.c_int
             for struct, prefix in ((_Params, "quilt_sm90"), (_PlanParams, "quilt_plan")):
                 ours = mirror_layout(struct)
                 # (a library built before the layout table: its size is all there is to check)
@@ -361,40 +357,19 @@ def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
     return order
 
 
-def _compact_words_check(words: torch.Tensor, s_kv: int, tensors: dict) -> None:
-    bad = [name for name, (t, dtype, numel) in tensors.items()
-           if t.dtype != dtype or not t.is_contiguous() or t.device != words.device or t.numel() != numel]
-    if words.dtype != torch.int32 or not words.is_contiguous() or not words.is_cuda or bad:
-        raise ValueError(f"the compaction's CUDA passes take contiguous int32 words on a GPU and their own tensors "
-                         f"on the same device (s_kv={s_kv}); got words {words.dtype} on {words.device}, wrong: "
-                         f"{', '.join(bad) or 'words'}")
-
-
-def mark_rows(words: torch.Tensor, s_kv: int, mark: torch.Tensor, packed: bool, *, read_first: bool = True) -> None:
+def mark_rows(words: torch.Tensor, s_kv: int, mark: torch.Tensor, packed: bool) -> None:
     """``mark[r] = 1`` for every pool row ``r`` that ``words`` reference (``fp8_compact.compact_columns``' mark pass,
     by ``csrc/quilt_compact.cu``: each CTA's rows deduplicated in shared memory first), for contiguous int32
-    ``words`` and a zeroed uint8 ``mark [s_kv]`` on one GPU. ``read_first`` (measurement only, False): store every
-    new row's mark without reading it. No host sync."""
-    _compact_words_check(words, s_kv, {"mark": (mark, torch.uint8, s_kv)})
-    err = _library().quilt_compact_mark_launch(words.data_ptr(), words.numel(), s_kv, int(packed), int(read_first),
-                                               mark.data_ptr(), ctypes.c_void_p(_raw_stream(words.device)))
+    ``words`` (``packed``: plan columns) and a zeroed contiguous uint8 ``mark [s_kv]`` on the same GPU. No host
+    sync."""
+    if (words.dtype != torch.int32 or not words.is_contiguous() or not words.is_cuda or mark.dtype != torch.uint8
+            or mark.shape != (s_kv,) or not mark.is_contiguous() or mark.device != words.device):
+        raise ValueError(f"mark_rows marks uint8 [s_kv={s_kv}] on the GPU of its contiguous int32 words; got words "
+                         f"{words.dtype} on {words.device}, marks {mark.dtype} {tuple(mark.shape)} on {mark.device}")
+    err = _library().quilt_compact_mark_launch(words.data_ptr(), words.numel(), s_kv, int(packed), mark.data_ptr(),
+                                               ctypes.c_void_p(_raw_stream(words.device)))
     if err != 0:
         raise CudaBackendError(f"mark launch failed: {_library().quilt_sm90_error_string(err).decode()}")
-
-
-def remap_rows(words: torch.Tensor, s_kv: int, packed: bool, incl: torch.Tensor, fits: torch.Tensor,
-               out: torch.Tensor) -> None:
-    """``fp8_compact.compact_columns``' renumbering by ``csrc/quilt_compact.cu``: ``out`` = ``words`` with each
-    referenced row ``r`` replaced by ``incl[r] - 1`` (packed: member bits kept) when ``fits[0]``, else ``words``
-    unchanged; each CTA reads a distinct row's ``incl`` once. ``incl`` int32 ``[s_kv]``, ``fits`` int32 ``[1]``,
-    ``out`` like ``words`` (may be ``words``). No host sync."""
-    _compact_words_check(words, s_kv, {"incl": (incl, torch.int32, s_kv), "fits": (fits, torch.int32, 1),
-                                       "out": (out, torch.int32, words.numel())})
-    err = _library().quilt_compact_remap_launch(words.data_ptr(), words.numel(), s_kv, int(packed), incl.data_ptr(),
-                                                fits.data_ptr(), out.data_ptr(),
-                                                ctypes.c_void_p(_raw_stream(words.device)))
-    if err != 0:
-        raise CudaBackendError(f"remap launch failed: {_library().quilt_sm90_error_string(err).decode()}")
 
 
 def plan_programs(plan, qp: int):
@@ -600,9 +575,9 @@ def launch_sparse_attention_cuda(q, kv, sm_scale, d_v, *, indices=None, topk_len
 # (dispatch.kernel_kv); a call referencing more distinct rows widens them in the kernel instead.
 FP8_COMPACT_POOL = 1 << 19
 FP8_COMPACT_ROWS = 1 << 17
-# The compaction's passes over query programs' index lists by the CUDA kernels (mark_rows, remap_rows: the rows of
-# neighbouring lists deduplicated in shared memory first); False (measurement only): the Triton passes.
-FP8_CUDA_PASSES = True
+# The compaction's mark pass by the CUDA kernel (mark_rows: the rows of neighbouring lists or plan groups
+# deduplicated in shared memory before any store); False (measurement only): the Triton pass.
+FP8_CUDA_MARK = True
 
 
 def _compacts(kv) -> bool:
@@ -631,13 +606,14 @@ def launch_fp8_compact(q, cache, sm_scale, out, max_logits, lse, *, indices=None
     s_kv = cache.shape[0]
     if plan is not None:
         plan.wait()
-        number = functools.partial(compact_columns, plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None)
+        number = functools.partial(compact_columns, plan.tile_kv, s_kv, cap, packed=plan.tile_mask is None,
+                                   cuda_mark=FP8_CUDA_MARK)
         c = number(in_place=True) if plan_is_spent else plan.cached(("cuda_backend.fp8_compact", s_kv, cap), number)
         work = dict(plan=plan)
         compact = dict(plan=plan, tile_kv=c.columns)
     else:
         indices = indices.contiguous()
-        c = compact_columns(indices, s_kv, cap, packed=False, cuda_passes=FP8_CUDA_PASSES)
+        c = compact_columns(indices, s_kv, cap, packed=False, cuda_mark=FP8_CUDA_MARK)
         work = dict(indices=indices, topk_length=topk_length)
         compact = dict(indices=c.columns, topk_length=topk_length)
     launch(q, c.widen(cache), sm_scale, out, max_logits, lse, attn_sink=attn_sink, run_if=(c.fits, 1), repair=repair,

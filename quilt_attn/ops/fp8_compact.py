@@ -89,7 +89,7 @@ class Compaction:
 
 
 def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, in_place: bool = False,
-                    cuda_passes: bool = False) -> Compaction:
+                    cuda_mark: bool = False) -> Compaction:
     """Number the rows of a pool of ``s_kv`` rows that ``words`` reference and renumber the words to them.
 
     Parameters
@@ -101,8 +101,8 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     in_place : renumber ``words`` themselves (``columns`` is then ``words``; left as they are when the rows
         overflow ``cap``): for columns nobody reads after this call, a plan made inside it (saves a copy of
         them: 128 MiB at s_q 16384, Top-2048).
-    cuda_passes : mark and renumber by the CUDA backend's kernels (``cuda_backend.mark_rows`` / ``remap_rows``,
-        the same results) instead of this module's Triton passes.
+    cuda_mark : mark the referenced rows by the CUDA backend's kernel (``cuda_backend.mark_rows``, the same marks)
+        instead of this module's Triton pass.
     """
     if words.dtype != torch.int32 or not words.is_contiguous():
         raise ValueError(f"words must be contiguous int32, got {words.dtype}")
@@ -113,10 +113,9 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     n = words.numel()
     mark = torch.zeros(s_kv, dtype=torch.uint8, device=words.device)  # (a byte a pool row)
     grid = (triton.cdiv(n, BLOCK),)
-    if cuda_passes:
-        from . import cuda_backend as cuda  # (the CUDA library: loaded only when its passes are asked for)
-    if n and cuda_passes:
-        cuda.mark_rows(words, s_kv, mark, packed)
+    if n and cuda_mark:
+        from .cuda_backend import mark_rows  # (the CUDA library: loaded only when its pass is asked for)
+        mark_rows(words, s_kv, mark, packed)
     elif n:
         logp = (grid[0] - 1).bit_length()
         _mark_kernel[(1 << logp,)](words, n, mark, s_kv, logp, PACKED=packed, BLOCK=BLOCK)
@@ -127,8 +126,6 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     want = torch.arange(1, cap + 1, dtype=torch.int32, device=words.device)
     rows = torch.searchsorted(incl, want, out_int32=True).clamp_(max=s_kv - 1)
     columns = words if in_place else torch.empty_like(words)  # (each word is read, then written, by one lane)
-    if n and cuda_passes:
-        cuda.remap_rows(words, s_kv, packed, incl, fits, columns)
-    elif n:
+    if n:
         _remap_kernel[grid](words, n, incl, fits, columns, s_kv, PACKED=packed, BLOCK=BLOCK)
     return Compaction(rows, count.clone(), fits, columns)

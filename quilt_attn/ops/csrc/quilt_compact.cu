@@ -26,9 +26,8 @@ constexpr int kSpan = 32768;             // words a CTA: 16 lists of 2048
 
 // The slot of row r in the CTA's hash set, put there if it is not (won: by this call), or -1 when all kProbes
 // slots hold other rows.
-template <int kLog>
 __device__ __forceinline__ int probe(int* keys, int r, bool& won) {
-  unsigned h = (static_cast<unsigned>(r) * 2654435761u) >> (32 - kLog);
+  unsigned h = (static_cast<unsigned>(r) * 2654435761u) >> (32 - kLogSlots);
   won = false;
   for (int k = 0; k < kProbes; ++k) {
     int seen = keys[h];
@@ -37,7 +36,7 @@ __device__ __forceinline__ int probe(int* keys, int r, bool& won) {
       won = seen == kEmpty;
     }
     if (won || seen == r) return static_cast<int>(h);
-    h = (h + 1) & ((1u << kLog) - 1);
+    h = (h + 1) & (kSlots - 1);
   }
   return -1;
 }
@@ -46,25 +45,24 @@ __device__ __forceinline__ int row_of(int w, int packed) { return packed ? (w & 
 
 // CTAs in bit-reversed order of their spans: the CTAs in flight together hold lists far apart, so they do not
 // store the same marks at once. Returns the span's first word, or -1 past the words.
-__device__ __forceinline__ long long span_start(long long n, int span, int log_grid) {
+__device__ __forceinline__ long long span_start(long long n, int log_grid) {
   const unsigned cta = log_grid == 0 ? 0u : __brev(blockIdx.x) >> (32 - log_grid);
-  const long long b0 = static_cast<long long>(cta) * span;
+  const long long b0 = static_cast<long long>(cta) * kSpan;
   return b0 < n ? b0 : -1;
 }
 
-__device__ __forceinline__ void clear(int* keys, int slots) {
-  for (int i = threadIdx.x; i < slots; i += kThreads) keys[i] = kEmpty;
+__device__ __forceinline__ void clear(int* keys) {
+  for (int i = threadIdx.x; i < kSlots; i += kThreads) keys[i] = kEmpty;
   __syncthreads();
 }
 
 __global__ void __launch_bounds__(kThreads, 3)
-mark_kernel(const int* __restrict__ words, long long n, int s_kv, int packed, int log_grid, int read_first,
-            uint8_t* mark) {
+mark_kernel(const int* __restrict__ words, long long n, int s_kv, int packed, int log_grid, uint8_t* mark) {
   extern __shared__ int keys[];
-  const long long b0 = span_start(n, kSpan, log_grid);
+  const long long b0 = span_start(n, log_grid);
   if (b0 < 0) return;
   const long long b1 = b0 + kSpan < n ? b0 + kSpan : n;
-  clear(keys, kSlots);
+  clear(keys);
   for (long long c = b0; c < b1; c += kThreads * kEpt) {
     int w[kEpt];
 #pragma unroll
@@ -77,53 +75,11 @@ mark_kernel(const int* __restrict__ words, long long n, int s_kv, int packed, in
       const int r = row_of(w[e], packed);
       if (static_cast<unsigned>(r) >= static_cast<unsigned>(s_kv)) continue;
       bool won;
-      const int slot = probe<kLogSlots>(keys, r, won);
-      // a row put in the set here, or one no slot would take: marked (read first: most rows are marked by then,
-      // and a read of a marked byte costs the L2 less than another store into its line)
-      if ((won || slot < 0) && !(read_first && mark[r])) mark[r] = 1;
-    }
-  }
-}
-
-constexpr int kRemapLogSlots = 13;  // keys and their numbers, 64 KB: three CTAs an SM
-constexpr int kRemapSpan = 16384;   // words a CTA: 8 lists of 2048
-
-// out[i] = words[i] with its row renumbered to incl[row] - 1 (member bits kept) where *fits, else words[i];
-// each distinct row's incl read once a CTA (the set's numbers), not once an entry. out may be words.
-__global__ void __launch_bounds__(kThreads, 3)
-remap_kernel(const int* words, long long n, int s_kv, int packed, int log_grid, const int* __restrict__ incl,
-             const int* __restrict__ fits, int* out) {
-  extern __shared__ int keys[];
-  int* num = keys + (1 << kRemapLogSlots);
-  const long long b0 = span_start(n, kRemapSpan, log_grid);
-  if (b0 < 0) return;
-  const long long b1 = b0 + kRemapSpan < n ? b0 + kRemapSpan : n;
-  const bool go = *fits != 0;
-  clear(keys, 1 << kRemapLogSlots);
-  for (long long c = b0; c < b1; c += kThreads * kEpt) {
-    int w[kEpt], slot[kEpt];
-#pragma unroll
-    for (int e = 0; e < kEpt; ++e) {
-      const long long i = c + e * kThreads + threadIdx.x;
-      w[e] = i < b1 ? words[i] : kEmpty;
-    }
-#pragma unroll
-    for (int e = 0; e < kEpt; ++e) {
-      const int r = row_of(w[e], packed);
-      slot[e] = -2;  // no row: the word stays
-      if (go && static_cast<unsigned>(r) < static_cast<unsigned>(s_kv)) {
-        bool won;
-        slot[e] = probe<kRemapLogSlots>(keys, r, won);
-        if (won) num[slot[e]] = __ldg(incl + r) - 1;
-      }
-    }
-    __syncthreads();  // every number of this chunk's new rows stored
-#pragma unroll
-    for (int e = 0; e < kEpt; ++e) {
-      const long long i = c + e * kThreads + threadIdx.x;
-      if (i >= b1 || slot[e] == -2) continue;
-      const int pos = slot[e] >= 0 ? num[slot[e]] : __ldg(incl + row_of(w[e], packed)) - 1;
-      out[i] = packed ? (pos | (w[e] & static_cast<int>(0xFF000000u))) : pos;
+      const int slot = probe(keys, r, won);
+      // a row put in the set here, or one no slot would take: marked, read first (most rows are marked by then,
+      // and a read of a marked byte costs the L2 less than another store into its line: 111-179 against
+      // 192-209 us, benchmarks/fp8_mark_ab.py)
+      if ((won || slot < 0) && !mark[r]) mark[r] = 1;
     }
   }
 }
@@ -132,43 +88,24 @@ remap_kernel(const int* words, long long n, int s_kv, int packed, int log_grid, 
 
 extern "C" {
 
-static int log_grid_of(long long n, int span) {
-  const long long spans = (n + span - 1) / span;
+static int log_grid_of(long long n) {
+  const long long spans = (n + quilt_compact::kSpan - 1) / quilt_compact::kSpan;
   int lg = 0;
   while ((1ll << lg) < spans) ++lg;
   return lg;
 }
 
 // mark [s_kv] (uint8, zeroed by the caller): mark[r] = 1 for every row r that words [n] reference; no host sync
-int quilt_compact_mark_launch(const int* words, long long n, int s_kv, int packed, int read_first, uint8_t* mark,
-                              void* stream) {
+int quilt_compact_mark_launch(const int* words, long long n, int s_kv, int packed, uint8_t* mark, void* stream) {
   using namespace quilt_compact;
   if (n < 0 || s_kv < 0) return static_cast<int>(cudaErrorInvalidValue);
   if (n == 0) return 0;
-  const int lg = log_grid_of(n, kSpan);
+  const int lg = log_grid_of(n);
   if (lg > 30) return static_cast<int>(cudaErrorInvalidValue);
   const int smem = kSlots * static_cast<int>(sizeof(int));
   cudaError_t err = cudaFuncSetAttribute(mark_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mark_kernel<<<1u << lg, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(words, n, s_kv, packed, lg,
-                                                                               read_first, mark);
-  return static_cast<int>(cudaGetLastError());
-}
-
-// out [n] = words renumbered through incl [s_kv] (the marks' inclusive prefix counts) when *fits, else words
-// (out may be words); no host sync
-int quilt_compact_remap_launch(const int* words, long long n, int s_kv, int packed, const int* incl, const int* fits,
-                               int* out, void* stream) {
-  using namespace quilt_compact;
-  if (n < 0 || s_kv < 0) return static_cast<int>(cudaErrorInvalidValue);
-  if (n == 0) return 0;
-  const int lg = log_grid_of(n, kRemapSpan);
-  if (lg > 30) return static_cast<int>(cudaErrorInvalidValue);
-  const int smem = 2 * (1 << kRemapLogSlots) * static_cast<int>(sizeof(int));
-  cudaError_t err = cudaFuncSetAttribute(remap_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  remap_kernel<<<1u << lg, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(words, n, s_kv, packed, lg, incl,
-                                                                                 fits, out);
+  mark_kernel<<<1u << lg, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(words, n, s_kv, packed, lg, mark);
   return static_cast<int>(cudaGetLastError());
 }
 
