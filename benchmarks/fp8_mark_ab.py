@@ -5,7 +5,9 @@ The pass sets a mark for every pool row that a plan column references (a call of
 its mark, or reads it first and stores only where it is still 0 (``read``); programs launched in column order
 or in bit-reversed order (``spread``: the programs in flight together take columns of groups far apart, so they
 do not all reach the same rows at once); and ``cuda_dedup``, the CUDA pass (``cuda_backend.mark_rows``: each CTA's
-rows deduplicated in shared memory first, a new row's mark read before it is stored). Cases: the plan columns at h = 16 and 8, the index lists themselves at
+rows deduplicated in shared memory first, a new row's mark read before it is stored). Then the renumbering pass
+that follows, into a copy of the words or in place (``remap_in_place`` writes only the words that reference a row;
+the two results compared). Cases: the plan columns at h = 16 and 8, the index lists themselves at
 h = 64 (query programs). Each variant's marks are compared with the first's (exit 1 if any
 differs); times are medians of ``do_bench`` over alternating rounds, the marks' zeroing included.
 
@@ -24,7 +26,7 @@ import triton.language as tl
 import quilt_attn
 from engine_shapes import SHAPES, paged_indices
 from quilt_attn import dispatch
-from quilt_attn.ops import cuda_backend
+from quilt_attn.ops import cuda_backend, fp8_compact
 from quilt_attn.ops.sparse_attention import column_row
 from quilt_bench.bench import environment
 
@@ -89,9 +91,20 @@ def main(argv=None, prog=None) -> int:
             m = marks["cuda_dedup"] = torch.zeros(shape.pool, dtype=torch.uint8, device="cuda")
             fns["cuda_dedup"] = lambda m=m: (m.zero_(), cuda_backend.mark_rows(words, shape.pool, m, packed))
             fns["cuda_dedup"]()
+            # the renumbering pass after the marks, into a copy or in place (a plan made in the call: only the
+            # referencing words are written); timed in place on a scratch copy of the words
+            incl = torch.cumsum(m, 0, dtype=torch.int32)
+            fits = torch.ones(1, dtype=torch.int32, device="cuda")
+            copy, scratch = torch.empty_like(words), words.clone()
+            grid = (triton.cdiv(n, fp8_compact.BLOCK),)
+            for v, dst, src in (("remap_copy", copy, words), ("remap_in_place", scratch, scratch)):
+                fns[v] = lambda dst=dst, src=src, ip=src is dst: fp8_compact._remap_kernel[grid](
+                    src, n, incl, fits, dst, shape.pool, PACKED=packed, IN_PLACE=ip, BLOCK=fp8_compact.BLOCK)
+                fns[v]()
             torch.cuda.synchronize()
             first = marks[next(iter(marks))].to(torch.uint8)
             same = {v: torch.equal(m.to(torch.uint8), first) for v, m in marks.items()}
+            same["remap_copy"] = same["remap_in_place"] = torch.equal(copy, scratch)
             ok_all &= all(same.values())
             t = {v: [] for v in fns}
             for r in range(a.rounds):

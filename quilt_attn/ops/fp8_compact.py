@@ -47,7 +47,8 @@ def _mark_kernel(words_ptr, n, mark_ptr, s_kv, LOGP, PACKED: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _remap_kernel(words_ptr, n, incl_ptr, fits_ptr, out_ptr, s_kv, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+def _remap_kernel(words_ptr, n, incl_ptr, fits_ptr, out_ptr, s_kv, PACKED: tl.constexpr, IN_PLACE: tl.constexpr,
+                  BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     w = tl.load(words_ptr + offs, mask=live, other=-1)
@@ -58,8 +59,12 @@ def _remap_kernel(words_ptr, n, incl_ptr, fits_ptr, out_ptr, s_kv, PACKED: tl.co
         new = pos | (w & -16777216)  # (-16777216: the member bits 0xFF000000)
     else:
         new = pos
-    # a column without a row keeps its word: past the compact buffer too (>= s_kv > cap), so still none
-    tl.store(out_ptr + offs, tl.where(ok, new, w), mask=live)
+    # a column without a row keeps its word: past the compact buffer too (>= s_kv > cap), so still none; in place
+    # it is not written at all (most of a plan's words are the padding past its groups' last tiles)
+    if IN_PLACE:
+        tl.store(out_ptr + offs, new, mask=live & ok)
+    else:
+        tl.store(out_ptr + offs, tl.where(ok, new, w), mask=live)
 
 
 @dataclass(frozen=True)
@@ -127,5 +132,5 @@ def compact_columns(words: torch.Tensor, s_kv: int, cap: int, *, packed: bool, i
     rows = torch.searchsorted(incl, want, out_int32=True).clamp_(max=s_kv - 1)
     columns = words if in_place else torch.empty_like(words)  # (each word is read, then written, by one lane)
     if n:
-        _remap_kernel[grid](words, n, incl, fits, columns, s_kv, PACKED=packed, BLOCK=BLOCK)
+        _remap_kernel[grid](words, n, incl, fits, columns, s_kv, PACKED=packed, IN_PLACE=in_place, BLOCK=BLOCK)
     return Compaction(rows, count.clone(), fits, columns)
