@@ -5,8 +5,9 @@ the FP8 compaction's mark pass) have no torch dependency: nvcc builds them into 
 hash of the sources and flags, so one build serves every torch version and later runs load it at
 once. Tensors are passed as raw pointers on torch's current stream.
 
-Scope: d_qk 576 / d_v 512, bf16 or fp16 q and dense kv (the FP8 cache is expanded once per call
-by the caller, ``api.sparse_prefill``), plans with 64-row tiles, any head count 1..128.
+Scope: d_qk 576 / d_v 512, bf16 or fp16 q and dense kv of q's dtype or the FP8 cache (expanded by the caller,
+``dispatch.kernel_kv``, its referenced rows compacted, ``launch_fp8_compact``, or widened in the kernel), plans
+with 64-row tiles, any head count 1..128.
 """
 from __future__ import annotations
 
