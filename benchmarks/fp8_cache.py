@@ -73,11 +73,11 @@ def run_shape(shape, h: int, workload: str, topk: int, rounds: int, warmup: int,
 
     def triton_mark(fn):  # the compaction's Triton mark pass (FP8_CUDA_MARK's A/B)
         def run(*a):
-            cuda_backend.FP8_CUDA_MARK = False
+            knob, cuda_backend.FP8_CUDA_MARK = cuda_backend.FP8_CUDA_MARK, False
             try:
                 return fn(*a)
             finally:
-                cuda_backend.FP8_CUDA_MARK = True
+                cuda_backend.FP8_CUDA_MARK = knob
         return run
 
     def call(q, cache, idx, mode: str):

@@ -71,12 +71,11 @@ def main(argv=None, prog=None) -> int:
         shape = SHAPES[name]
         for h in (16, 8, 64):
             idx = paged_indices(shape, "glm53-like", 2048, 0, "cuda")
-            packed = dispatch.decide("cuda", "quilt", h).quilt  # else query programs: the index lists themselves
-            if packed:
+            if dispatch.decide("cuda", "quilt", h).quilt:
                 pl = quilt_attn.plan(idx, s_kv=shape.pool, **dispatch.plan_settings(h, "cuda"))
-                words = pl.tile_kv.contiguous()
-            else:
-                words = idx.contiguous()
+                words, packed, kind = pl.tile_kv.contiguous(), pl.tile_mask is None, "plan columns"
+            else:  # query programs: the index lists themselves
+                words, packed, kind = idx.contiguous(), False, "index lists"
             n = words.numel()
             nprog = triton.cdiv(n, 1024)
             logp = (nprog - 1).bit_length()
@@ -110,7 +109,7 @@ def main(argv=None, prog=None) -> int:
             for r in range(a.rounds):
                 for v in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
                     t[v].append(triton.testing.do_bench(fns[v], warmup=10, rep=40, return_mode="median"))
-            lines.append(f"| {name} | {h} | {'plan columns' if packed else 'index lists'} {n} | {int(first.sum())} rows | " + " | ".join(
+            lines.append(f"| {name} | {h} | {kind} {n} | {int(first.sum())} rows | " + " | ".join(
                 f"{v} {statistics.median(t[v]) * 1e3:.1f}{'' if same[v] else ' DIFFERS'}" for v in fns) + " |")
             print(lines[-1], flush=True)
     if a.out:
