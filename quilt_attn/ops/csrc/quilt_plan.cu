@@ -862,11 +862,10 @@ __device__ __forceinline__ void write_columns(const PlanParams& p, const PlanCta
 
 // 6b. the rest of the tiles: padding slots of each segment's last tile (a warp a segment), the tiles past
 //     the group's last (kv -1, mask 0), and every tile's level and member bits
-template <int G, bool kFlat, int kH>
-__device__ __forceinline__ void write_tiles(const PlanParams& p, const PlanCta<G, kFlat, kH>& c, long long gbase,
+__device__ __forceinline__ void write_tiles(const PlanParams& p, int tid, int nt, int T, long long gbase,
                                             const Segments& sg) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
-  const int tid = c.tid, nt = c.nt, T = c.T, lane = tid & 31;
+  const int lane = tid & 31;
   const int ns = sg.ns, n = sg.n, first = sg.first, incl = sg.incl, n_tiles = sg.n_tiles;
   const int lvl = sg.lvl, bits = sg.bits;
   const int warp = tid >> 5, n_warps = nt >> 5;
@@ -968,13 +967,329 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
   const Segments sg = segments(p, c, wsum, n_valid, c64, scans, fr, fk);
   const long long gbase = static_cast<long long>(g) * p.cap;
   write_columns(p, c, own, gbase, sg, fr, fk, mk, lv, rows, c64);
-  write_tiles(p, c, gbase, sg);
+  write_tiles(p, tid, nt, T, gbase, sg);
   if (!p.iclip && j0 == 0 && q < p.s_q) p.dropped[q] = 0;  // (nothing dropped; the buffer comes unset)
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// The flat path of packed plans (s_kv < 2^24, tile_mask null; merge level = group, no importance clipping, no
+// split): the default plans at 8, 16 and 32 heads. A slot of the membership table is one word, row + 1 in its
+// low 24 bits and the member bits above them, so a column's packed word is its slot's word less one and no
+// lookup of a row is left for the write. The members insert in turn (member 0, barrier, member 1, ...), so at
+// its insert an entry learns whether a lower member holds its row: an entry that claims a slot is a column of
+// its member (the row's lowest owner); one that finds the row ORs its bit in and makes no column, and only the
+// columns read their slot again for the final member bits (member 0's columns also for their kind: level G
+// when every member holds the row). Thread t holds entries t * E .. t * E + E - 1 (E = 16 / G) of every
+// member's list, so every turn keeps every thread busy, the list loads are whole sectors, and a warp's columns
+// of one range (member 0's level-G columns, or member m's merged ones) fill one contiguous stretch of slots.
+// Random shared-memory accesses (the planner's limit) an entry: the insert, an OR where a lower member had the
+// row, a load where it makes a column; there were also a lookup for every entry and one for every column.
+
+constexpr unsigned kKeyMask = (1u << kPackShift) - 1u;
+constexpr int kCol = 1 << 16;   // the entry makes a column (its slot in the low 15 bits, kDup: a repeat)
+constexpr int kPend = 1 << 17;  // the entry found its row: its member bit is still to be ORed in
+
+// An insert's outcome at slot `at` whose word was `w`: a column (claimed, or a repeat of the member's own
+// row), pending (a lower member's row), or -1 (another row: probe on)
+__device__ __forceinline__ int insert_outcome(unsigned w, unsigned key, unsigned bit, unsigned at) {
+  if (w == 0u) return static_cast<int>(at) | kCol;
+  if ((w & kKeyMask) != key) return -1;
+  return static_cast<int>(at) | ((w & bit) != 0u ? kCol | kDup : kPend);
+}
+// linear probing past `at` (a slot holding another row) until the row's slot, claiming an empty one
+__device__ __forceinline__ int probe_packed(unsigned* hk, unsigned at, unsigned key, unsigned bit, int nslot) {
+  for (;;) {
+    at = at + 1u == static_cast<unsigned>(nslot) ? 0u : at + 1u;
+    const int r = insert_outcome(atomicCAS(hk + at, 0u, key | bit), key, bit, at);
+    if (r >= 0) return r;
+  }
+}
+
+// 16-bit counter fields of the flat packed path: 0 member 0's level-G columns, 1 + m member m's merged
+// columns, G + 1 valid entries (all sums <= 16384)
+template <int G>
+struct FlatCounts {
+  static constexpr int kFields = G + 2, kWords = (kFields + 3) / 4;
+  unsigned long long w[kWords] = {};
+  __device__ __forceinline__ void add(int f, unsigned v) { w[f / 4] += static_cast<unsigned long long>(v) << (16 * (f % 4)); }
+  __device__ __forceinline__ unsigned get(int f) const { return field(w[f / 4], f % 4); }
+};
+
+// Exclusive prefix over the block's threads (in thread order) and the block's total, of every field; one barrier
+template <int G>
+__device__ __forceinline__ void block_scan(const FlatCounts<G>& v, FlatCounts<G>& before, FlatCounts<G>& total,
+                                           unsigned long long* wsum) {
+  constexpr int NW = FlatCounts<G>::kWords;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  unsigned long long x[NW];
+#pragma unroll
+  for (int i = 0; i < NW; ++i) {
+    x[i] = v.w[i];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xFFFFFFFFu, x[i], d);
+      if (lane >= d) x[i] += y;
+    }
+    if (lane == 31) wsum[32 * i + w] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NW; ++i) {
+    const unsigned long long t = lane < nw ? wsum[32 * i + lane] : 0ull;
+    unsigned long long b = lane < w ? t : 0ull, a = t;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      b += __shfl_xor_sync(0xFFFFFFFFu, b, d);
+      a += __shfl_xor_sync(0xFFFFFFFFu, a, d);
+    }
+    before.w[i] = b + x[i] - v.w[i];
+    total.w[i] = a;
+  }
+}
+
+template <int G>
+__global__ void __launch_bounds__(kMaxThreads, 1) plan_flat_packed_kernel(const __grid_constant__ PlanParams p) {
+  constexpr int E = kEpt / G;  // entries of each member's list a thread
+  constexpr int R = G + 1;     // column ranges: 0 member 0's level-G columns, 1 + m member m's merged ones
+  constexpr unsigned kAll = (1u << G) - 1u, kFull = 0xFFFFFFFFu;
+  static_assert(G >= 2 && G <= 8 && kEpt % G == 0, "flat packed path: groups of 2, 4 or 8");
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ unsigned long long wsum[32 * FlatCounts<G>::kWords];
+  // shared memory: [a warp's stretch of 512 ints: its collision lists, then its staged columns] [table words]
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, g = blockIdx.x, T = p.tile, nslot = p.nslots;
+  unsigned* stage = reinterpret_cast<unsigned*>(smem) + (tid - lane) * kEpt;
+  unsigned* hk = reinterpret_cast<unsigned*>(smem) + nt * kEpt;
+  const int j0 = tid * E;
+
+  int ent[G][E];  // list rows, then insert outcomes, then packed column words (0: no column)
+#pragma unroll
+  for (int m = 0; m < G; ++m) {
+    const int q = g * G + m;
+    int lim = 0;
+    if (q < p.s_q) {
+      lim = p.topk;
+      if (p.topk_length != nullptr) lim = min(lim, p.topk_length[q]);
+    }
+    const int* list = p.indices + static_cast<long long>(q < p.s_q ? q : 0) * p.stride_idx + j0;
+    if (j0 + E <= lim && (reinterpret_cast<uintptr_t>(list) & (4 * E - 1)) == 0u) {
+      if constexpr (E >= 4) {
+#pragma unroll
+        for (int i = 0; i < E; i += 4) {
+          const int4 v = __ldg(reinterpret_cast<const int4*>(list + i));
+          ent[m][i] = v.x, ent[m][i + 1] = v.y, ent[m][i + 2] = v.z, ent[m][i + 3] = v.w;
+        }
+      } else {
+        const int2 v = __ldg(reinterpret_cast<const int2*>(list));
+        ent[m][0] = v.x, ent[m][1] = v.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i) ent[m][i] = j0 + i < lim ? __ldg(list + i) : -1;
+    }
+  }
+  {  // clear the table (16-byte stores; its words are rounded up to 4)
+    const int n16 = (nslot + 3) / 4;
+    uint4* z = reinterpret_cast<uint4*>(hk);
+#pragma unroll 1
+    for (int i0 = tid; i0 < n16; i0 += 4 * nt) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (i0 + u * nt < n16) z[i0 + u * nt] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+  __syncthreads();
+
+  unsigned n_valid = 0u;
+#pragma unroll
+  for (int m = 0; m < G; ++m) {  // member m's turn
+    const unsigned bit = (1u << m) << kPackShift;
+    unsigned coll = 0u;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const bool ok = static_cast<unsigned>(ent[m][i]) < static_cast<unsigned>(p.s_kv);
+      const unsigned key = static_cast<unsigned>(ent[m][i]) + 1u, home = row_home(key, nslot);
+      const unsigned w = ok ? atomicCAS(hk + home, 0u, key | bit) : 0u;
+      const int r = insert_outcome(w, key, bit, home);
+      coll |= static_cast<unsigned>(ok && r < 0) << i;
+      ent[m][i] = !ok ? 0 : r < 0 ? static_cast<int>(key) : r;
+      n_valid += ok;
+    }
+    // the warp's colliding entries, probed by all its lanes together from a list in the warp's stretch
+    const int mine = __popc(coll);
+    int off = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(kFull, off, d);
+      if (lane >= d) off += v;
+    }
+    const int total = __shfl_sync(kFull, off, 31);
+    off -= mine;
+    if (total != 0) {  // (warp-uniform)
+      unsigned* wp = stage + off;
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        if ((coll >> i) & 1u) *wp++ = static_cast<unsigned>(ent[m][i]);
+      }
+      __syncwarp();
+      for (int j = lane; j < total; j += 32) {
+        const unsigned key = stage[j];
+        stage[j] = static_cast<unsigned>(probe_packed(hk, row_home(key, nslot), key, bit, nslot));
+      }
+      __syncwarp();
+      const unsigned* rp = stage + off;
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        if ((coll >> i) & 1u) ent[m][i] = static_cast<int>(*rp++);
+      }
+      __syncwarp();
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) {  // a lower member's row: OR the bit in (a repeat if it was set meanwhile)
+      const int st = ent[m][i];
+      if (st & kPend) {
+        const unsigned old = atomicOr(hk + (st & kSlotMask), bit);
+        ent[m][i] = (old & bit) != 0u ? (st & kSlotMask) | kCol | kDup : 0;
+      }
+    }
+    __syncthreads();  // (the next member's inserts see every row of the members before it)
+  }
+
+  // the columns' words: the slot's word less one (a repeat: the row with the member's own bit)
+  FlatCounts<G> cnt;
+  unsigned lg0 = 0u, m0 = 0u;  // member 0's level-G and merged columns, a bit an entry
+#pragma unroll
+  for (int m = 0; m < G; ++m) {
+    unsigned cm = 0u;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const int st = ent[m][i];
+      int word = 0;
+      if (st & kCol) {
+        const unsigned w = hk[st & kSlotMask];
+        word = static_cast<int>((st & kDup) ? ((w & kKeyMask) - 1u) | ((1u << m) << kPackShift) : w - 1u);
+      }
+      ent[m][i] = word;
+      cm += word != 0;
+      if (m == 0) {
+        const bool lg = (st & kCol) && !(st & kDup) && (static_cast<unsigned>(word) >> kPackShift) == kAll;
+        lg0 |= static_cast<unsigned>(lg) << i;
+        m0 |= static_cast<unsigned>(word != 0 && !lg) << i;
+      }
+    }
+    if (m == 0) {
+      cnt.add(0, __popc(lg0));
+      cnt.add(1, __popc(m0));
+    } else {
+      cnt.add(1 + m, cm);
+    }
+  }
+  cnt.add(G + 1, n_valid);
+  FlatCounts<G> before, tot;
+  block_scan<G>(cnt, before, tot, wsum);
+
+  // tile-aware clipping of the level-G segment: its last r0 = n0 % T columns by rank go to member 0's merged ones
+  const unsigned n0 = tot.get(0), cut = div_small(n0, T) * T, r0 = n0 - cut;
+  const bool clip = r0 > 0u && static_cast<float>(r0) < p.thr;  // (block-uniform)
+  const unsigned pos_lg = before.get(0);
+  if (clip) {
+    unsigned pos = pos_lg;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      if ((lg0 >> i) & 1u) {
+        if (pos >= cut) lg0 ^= 1u << i, m0 |= 1u << i;
+        ++pos;
+      }
+    }
+  }
+  const unsigned n_lg = clip ? cut : n0, past = clip && pos_lg > cut ? pos_lg - cut : 0u;
+  const int tiles0 = static_cast<int>(div_small(n_lg + T - 1, T));
+  int dst[R];  // this thread's first slot of each range
+  unsigned n_m = 0u;
+  dst[0] = static_cast<int>(pos_lg);
+#pragma unroll
+  for (int m = 0; m < G; ++m) {
+    dst[1 + m] = tiles0 * T + static_cast<int>(n_m + before.get(1 + m) + (m == 0 ? past : 0u));
+    n_m += tot.get(1 + m) + (m == 0 && clip ? r0 : 0u);
+  }
+  const int tiles1 = static_cast<int>(div_small(n_m + T - 1, T)), n_tiles = tiles0 + tiles1;
+  if (tid == 0) {
+    p.group_tiles[g] = n_tiles;
+    p.group_rows[g] = static_cast<int>(n_lg + n_m);
+    p.group_valid[g] = static_cast<int>(tot.get(G + 1));
+  }
+
+  // the columns, staged in the warp's stretch range by range, then written by whole-warp stores
+  const long long gbase = static_cast<long long>(g) * p.cap;
+  int* kv_out = p.tile_kv + gbase * T;
+  int wstart[R], wcnt[R];
+  {
+    int* sp[R];
+    int acc = 0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      unsigned c;
+      if (r == 0) c = __popc(lg0);
+      else if (r == 1) c = __popc(m0);
+      else {
+        c = 0u;
+#pragma unroll
+        for (int i = 0; i < E; ++i) c += ent[r - 1][i] != 0;
+      }
+      wcnt[r] = static_cast<int>(__reduce_add_sync(kFull, c));
+      wstart[r] = __shfl_sync(kFull, dst[r], 0);
+      sp[r] = reinterpret_cast<int*>(stage) + acc + dst[r] - wstart[r];
+      acc += wcnt[r];
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      if ((lg0 >> i) & 1u) *sp[0]++ = ent[0][i];
+      if ((m0 >> i) & 1u) *sp[1]++ = ent[0][i];
+    }
+#pragma unroll
+    for (int m = 1; m < G; ++m) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        if (ent[m][i] != 0) *sp[1 + m]++ = ent[m][i];
+      }
+    }
+  }
+  __syncwarp();
+  {
+    const int* sv = reinterpret_cast<const int*>(stage);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      for (int x = lane; x < wcnt[r]; x += 32) kv_out[wstart[r] + x] = sv[x];
+      sv += wcnt[r];
+    }
+  }
+
+  Segments sg{};  // lane 0: the level-G segment, lane 1: the merged one (what write_tiles reads)
+  sg.ns = 2, sg.n_tiles = n_tiles;
+  sg.n = lane == 0 ? static_cast<int>(n_lg) : lane == 1 ? static_cast<int>(n_m) : 0;
+  sg.first = lane == 0 ? 0 : lane == 1 ? tiles0 : n_tiles;
+  sg.incl = lane == 0 ? tiles0 : n_tiles;
+  sg.lvl = lane == 0 ? G : 0;
+  sg.bits = lane < 2 ? static_cast<int>(kAll) : 0;
+  write_tiles(p, tid, nt, T, gbase, sg);
+  if (tid < G && g * G + tid < p.s_q) p.dropped[g * G + tid] = 0;  // (nothing dropped; the buffer comes unset)
+}
+
+// the flat packed path's dynamic shared memory: a warp's stretch of 512 ints a warp, the table's words
+__host__ __device__ constexpr int flat_packed_smem(int threads, int nslot) { return 4 * kEpt * threads + 4 * ((nslot + 3) & ~3); }
 
 template <int G>
 int launch(const PlanParams& p, int threads, int smem, cudaStream_t stream) {
   const bool flat = G >= 2 && p.merge == G && !p.iclip && !p.split;
+  if constexpr (G >= 2) {
+    if (flat && p.tile_mask == nullptr) {  // packed columns: s_kv < 2^24, so a table word holds row and bits
+      const int fsmem = flat_packed_smem(threads, p.nslots);
+      cudaError_t err = cudaFuncSetAttribute(plan_flat_packed_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize, fsmem);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      plan_flat_packed_kernel<G><<<p.n_groups, threads, fsmem, stream>>>(p);
+      return static_cast<int>(cudaGetLastError());
+    }
+  }
   auto kernel = flat ? plan_kernel<G, G >= 2> : plan_kernel<G, false>;
   if constexpr (G == 8) {
     // a 1024-thread group: two runs a thread, 512 threads, no rows area (members stay whole warps)
