@@ -974,27 +974,21 @@ __global__ void __launch_bounds__(kMaxThreads / kH, 1) plan_kernel(const __grid_
 // ---------------------------------------------------------------------------------------------------------
 // The flat path of packed plans (s_kv < 2^24, tile_mask null; merge level = group, no importance clipping, no
 // split): the default plans at 8, 16 and 32 heads. A slot of the membership table is one word, row + 1 in its
-// low 24 bits and the member bits above them, so a column's packed word is its slot's word less one and no
-// lookup of a row is left for the write. The members insert in turn (member 0, barrier, member 1, ...), so at
-// its insert an entry learns whether a lower member holds its row: an entry that claims a slot is a column of
-// its member (the row's lowest owner); one that finds the row ORs its bit in and makes no column, and only the
-// columns read their slot again for the final member bits (member 0's columns also for their kind: level G
-// when every member holds the row). Thread t holds entries t * E .. t * E + E - 1 (E = 16 / G) of every
-// member's list, so every turn keeps every thread busy, the list loads are whole sectors, and a warp's columns
-// of one range (member 0's level-G columns, or member m's merged ones) fill one contiguous stretch of slots.
-// Random shared-memory accesses (the planner's limit) an entry: the insert, an OR where a lower member had the
-// row, a load where it makes a column; there were also a lookup for every entry and one for every column.
+// low 24 bits and the member bits above them: an insert claims an empty slot with its member bit in the same
+// CAS (only an entry finding its row already there ORs), and a column's packed word is its slot's word less
+// one, so the write needs no lookup of the row. Thread t holds entries t * E .. t * E + E - 1 (E = 16 / G) of
+// every member's list: the list loads are whole sectors, and a warp's columns of one range (member 0's level-G
+// columns, or member m's merged ones) fill one contiguous stretch of slots.
 
 constexpr unsigned kKeyMask = (1u << kPackShift) - 1u;
-constexpr int kCol = 1 << 16;   // the entry makes a column (its slot in the low 15 bits, kDup: a repeat)
+constexpr int kCol = 1 << 16;   // the entry holds its slot (in the low 15 bits; kDup: a repeat of its member)
 constexpr int kPend = 1 << 17;  // the entry found its row: its member bit is still to be ORed in
 
-// An insert's outcome at slot `at` whose word was `w`: a column (claimed, or a repeat of the member's own
-// row), pending (a lower member's row), or -1 (another row: probe on)
+// An insert's outcome at slot `at` whose word was `w`: its slot (claimed, or a repeat of the member's own row),
+// pending (another member's row), or -1 (another row: probe on)
 __device__ __forceinline__ int insert_outcome(unsigned w, unsigned key, unsigned bit, unsigned at) {
-  if (w == 0u) return static_cast<int>(at) | kCol;
-  if ((w & kKeyMask) != key) return -1;
-  return static_cast<int>(at) | ((w & bit) != 0u ? kCol | kDup : kPend);
+  const int found = static_cast<int>(at) | ((w & bit) != 0u ? kCol | kDup : kPend);
+  return w == 0u ? static_cast<int>(at) | kCol : (w & kKeyMask) == key ? found : -1;
 }
 // linear probing past `at` (a slot holding another row) until the row's slot, claiming an empty one
 __device__ __forceinline__ int probe_packed(unsigned* hk, unsigned at, unsigned key, unsigned bit, int nslot) {
@@ -1059,6 +1053,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_flat_packed_kernel(const 
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, g = blockIdx.x, T = p.tile, nslot = p.nslots;
   unsigned* stage = reinterpret_cast<unsigned*>(smem) + (tid - lane) * kEpt;
   unsigned* hk = reinterpret_cast<unsigned*>(smem) + nt * kEpt;
+  const unsigned hk_s = quilt_ptx::smem_u32(hk);
   const int j0 = tid * E;
 
   int ent[G][E];  // list rows, then insert outcomes, then packed column words (0: no column)
@@ -1100,22 +1095,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_flat_packed_kernel(const 
   }
   __syncthreads();
 
-  unsigned n_valid = 0u;
+  // every member's inserts at once (independent, so their latencies overlap), then one barrier
+  unsigned n_valid = 0u, coll = 0u;  // coll: bit m * E + i, the entry's home slot holds another row
 #pragma unroll
-  for (int m = 0; m < G; ++m) {  // member m's turn
+  for (int m = 0; m < G; ++m) {
     const unsigned bit = (1u << m) << kPackShift;
-    unsigned coll = 0u;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       const bool ok = static_cast<unsigned>(ent[m][i]) < static_cast<unsigned>(p.s_kv);
       const unsigned key = static_cast<unsigned>(ent[m][i]) + 1u, home = row_home(key, nslot);
-      const unsigned w = ok ? atomicCAS(hk + home, 0u, key | bit) : 0u;
+      const unsigned w = quilt_ptx::atom_cas_shared_if(ok, hk_s + 4u * home, 0u, key | bit);
       const int r = insert_outcome(w, key, bit, home);
-      coll |= static_cast<unsigned>(ok && r < 0) << i;
-      ent[m][i] = !ok ? 0 : r < 0 ? static_cast<int>(key) : r;
+      coll |= static_cast<unsigned>(ok && r < 0) << (m * E + i);
+      ent[m][i] = !ok ? 0 : r < 0 ? static_cast<int>(key | bit) : r;  // (colliding: its key and bit)
       n_valid += ok;
     }
-    // the warp's colliding entries, probed by all its lanes together from a list in the warp's stretch
+  }
+  {  // the warp's colliding entries, probed by all its lanes together from a list in the warp's stretch
     const int mine = __popc(coll);
     int off = mine;
 #pragma unroll
@@ -1128,51 +1124,55 @@ __global__ void __launch_bounds__(kMaxThreads, 1) plan_flat_packed_kernel(const 
     if (total != 0) {  // (warp-uniform)
       unsigned* wp = stage + off;
 #pragma unroll
-      for (int i = 0; i < E; ++i) {
-        if ((coll >> i) & 1u) *wp++ = static_cast<unsigned>(ent[m][i]);
+      for (int j = 0; j < G * E; ++j) {
+        if ((coll >> j) & 1u) *wp++ = static_cast<unsigned>(ent[j / E][j % E]);
       }
       __syncwarp();
       for (int j = lane; j < total; j += 32) {
-        const unsigned key = stage[j];
-        stage[j] = static_cast<unsigned>(probe_packed(hk, row_home(key, nslot), key, bit, nslot));
+        const unsigned kb = stage[j], key = kb & kKeyMask;
+        stage[j] = static_cast<unsigned>(probe_packed(hk, row_home(key, nslot), key, kb & ~kKeyMask, nslot));
       }
       __syncwarp();
       const unsigned* rp = stage + off;
 #pragma unroll
-      for (int i = 0; i < E; ++i) {
-        if ((coll >> i) & 1u) ent[m][i] = static_cast<int>(*rp++);
+      for (int j = 0; j < G * E; ++j) {
+        if ((coll >> j) & 1u) ent[j / E][j % E] = static_cast<int>(*rp++);
       }
       __syncwarp();
     }
-#pragma unroll
-    for (int i = 0; i < E; ++i) {  // a lower member's row: OR the bit in (a repeat if it was set meanwhile)
-      const int st = ent[m][i];
-      if (st & kPend) {
-        const unsigned old = atomicOr(hk + (st & kSlotMask), bit);
-        ent[m][i] = (old & bit) != 0u ? (st & kSlotMask) | kCol | kDup : 0;
-      }
-    }
-    __syncthreads();  // (the next member's inserts see every row of the members before it)
   }
+#pragma unroll
+  for (int m = 0; m < G; ++m) {  // a row another entry claimed: OR the bit in (a repeat if it was set already)
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const int st = ent[m][i], sl = st & kSlotMask;
+      const bool pend = (st & kPend) != 0;
+      const unsigned old = quilt_ptx::atom_or_shared_if(pend, hk_s + 4u * sl, (1u << m) << kPackShift);
+      ent[m][i] = pend ? sl | kCol | (((old >> kPackShift) >> m) & 1u ? kDup : 0) : st;
+    }
+  }
+  __syncthreads();
 
-  // the columns' words: the slot's word less one (a repeat: the row with the member's own bit)
+  // each entry's final member bits: member 0 makes a column of every row it holds (level G when every member
+  // holds it), member m > 0 of the rows no lower member holds, a repeat a column of its own; the column's word
+  // is its slot's word less one (a repeat's: the row with the member's own bit)
   FlatCounts<G> cnt;
   unsigned lg0 = 0u, m0 = 0u;  // member 0's level-G and merged columns, a bit an entry
 #pragma unroll
   for (int m = 0; m < G; ++m) {
+    const unsigned own = (1u << m) << kPackShift;
     unsigned cm = 0u;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       const int st = ent[m][i];
-      int word = 0;
-      if (st & kCol) {
-        const unsigned w = hk[st & kSlotMask];
-        word = static_cast<int>((st & kDup) ? ((w & kKeyMask) - 1u) | ((1u << m) << kPackShift) : w - 1u);
-      }
+      const bool has = (st & kCol) != 0, dup = (st & kDup) != 0;
+      const unsigned w = quilt_ptx::ld_shared_if(has, hk_s + 4u * (st & kSlotMask));
+      const bool low = (w & (own - 1u) & ~kKeyMask) == 0u;  // no lower member's bit
+      const int word = !has ? 0 : dup ? static_cast<int>(((w & kKeyMask) - 1u) | own) : low ? static_cast<int>(w - 1u) : 0;
+      const bool lg = m == 0 && has && !dup && (w >> kPackShift) == kAll;
       ent[m][i] = word;
       cm += word != 0;
       if (m == 0) {
-        const bool lg = (st & kCol) && !(st & kDup) && (static_cast<unsigned>(word) >> kPackShift) == kAll;
         lg0 |= static_cast<unsigned>(lg) << i;
         m0 |= static_cast<unsigned>(word != 0 && !lg) << i;
       }
