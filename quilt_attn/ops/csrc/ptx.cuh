@@ -1,7 +1,8 @@
 // Inline-PTX wrappers (sm_90a): shared-memory addresses and the 128-byte swizzle, cp.async, mbarriers, proxy
 // fences, wgmma fence / commit / wait and shared-memory descriptors. The wgmma instructions themselves, with
-// their long operand lists, are generated: wgmma_ops.cuh. (Of these the planner, quilt_plan.cu, needs the
-// programmatic-dependent-launch pair, for its order kernel, and the predicated shared-memory accesses below.)
+// their long operand lists, are generated: wgmma_ops.cuh. (Of these the planner, quilt_plan.cu, needs only the
+// programmatic-dependent-launch pair, for its order kernel: it synchronizes with atomics, shuffles and
+// __syncthreads.)
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -10,28 +11,6 @@ namespace quilt_ptx {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Shared-memory accesses under a predicate, as one predicated instruction: written as `p ? atomicCAS(...) : 0`
-// nvcc branches around the access, and the branch and its convergence barrier cost more than the access.
-// Each returns 0 where p is false.
-__device__ __forceinline__ uint32_t atom_cas_shared_if(bool p, uint32_t addr, uint32_t cmp, uint32_t val) {
-  uint32_t old = 0u;
-  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q atom.shared.cas.b32 %0, [%2], %3, %4;\n}\n"
-               : "+r"(old) : "r"(static_cast<int>(p)), "r"(addr), "r"(cmp), "r"(val) : "memory");
-  return old;
-}
-__device__ __forceinline__ uint32_t atom_or_shared_if(bool p, uint32_t addr, uint32_t val) {
-  uint32_t old = 0u;
-  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q atom.shared.or.b32 %0, [%2], %3;\n}\n"
-               : "+r"(old) : "r"(static_cast<int>(p)), "r"(addr), "r"(val) : "memory");
-  return old;
-}
-__device__ __forceinline__ uint32_t ld_shared_if(bool p, uint32_t addr) {
-  uint32_t v = 0u;
-  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @q ld.shared.b32 %0, [%2];\n}\n"
-               : "+r"(v) : "r"(static_cast<int>(p)), "r"(addr) : "memory");
-  return v;
 }
 
 // byte offset of 16-byte unit `unit` (0..7) of row `row` in a 128-byte-swizzled chunk
