@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import quilt_attn
-from quilt_attn.ops import cuda_backend
+from quilt_attn.ops import cuda_backend, cuda_call
 from quilt_attn import dispatch
 from quilt_attn.reference import sparse_prefill_reference
 from quilt_attn.workloads import generate
@@ -58,6 +58,12 @@ SHAPES = {s.name: s for s in [
     Shape("varlen", (517, 1999, 3001, 7000, 1867), (24517, 33999, 41001, 47000, 17867), 1 << 20),
     # a chunk of a long prompt whose first 124K tokens are already in the cache
     Shape("chunk-prefix", (4096,), (131072,), 1 << 20),
+    # short prefills: one prompt's last s_q tokens, and a batch of short prompts (one call's GPU work is
+    # small, so what the host spends a call shows)
+    Shape("short-512", (512,), (8192,), 1 << 20),
+    Shape("short-1K", (1024,), (16384,), 1 << 20),
+    Shape("short-2K", (2048,), (32768,), 1 << 20),
+    Shape("varlen-short", (311, 97, 640, 205, 452, 129), (2359, 4193, 8832, 2253, 6596, 3201), 1 << 20),
 ]}
 
 
@@ -117,7 +123,7 @@ def time_alternating(variants: dict, rounds: int, warmup: int, rep: int) -> dict
 
 
 def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, warmup: int, rep: int,
-              unchained: bool = False) -> list[dict]:
+              unchained: bool = False, general: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     s_q, h_run = sum(shape.s_q), max(64, h)
     gen = torch.Generator(device=dev).manual_seed(7)
@@ -153,10 +159,19 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
         finally:
             cuda_backend.CHAIN_LAUNCHES = True
 
+    def general_call(q, kv, idx):  # the call with cuda_call.ENABLED off: planner.plan, then the plan's passes
+        cuda_call.ENABLED = False
+        try:
+            return ours_call(q, kv, idx)
+        finally:
+            cuda_call.ENABLED = True
+
     variants = {"call": lambda i: ours_call(*sets[i]),
                 "kernel": lambda i: ours_kernel(*sets[i], plans[i])}
     if unchained:
         variants["call-unchained"] = lambda i: unchained_call(*sets[i])
+    if general:
+        variants["call-general"] = lambda i: general_call(*sets[i])
     if fm is not None:
         f_out, f_ml, f_lse = fm.outputs(s_q, h_run, torch.bfloat16, dev)
         variants["flashmla"] = lambda i: fm.launch(sets[i][0], sets[i][1], sets[i][2], f_out, f_ml, f_lse,
@@ -167,7 +182,7 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
     result = {}
     for name, fn in variants.items():  # reference check of each variant on set 0, outputs poisoned first
         q, kv, idx = sets[0]
-        if name in ("call", "call-unchained"):
+        if name in ("call", "call-unchained", "call-general"):
             out, ml, lse = fn(0)
             chk = check(out, ml, lse, q[:, :h], kv, idx, rows, natural=True)
         elif name == "kernel":
@@ -196,8 +211,9 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
     result["call"]["call_over_kernel"] = call / kern
     if "flashmla" in result:
         result["call"]["flashmla_over_call"] = result["flashmla"]["ms"] / call
-    if "call-unchained" in result:
-        result["call-unchained"]["call_over_kernel"] = result["call-unchained"]["ms"] / kern
+    for other in ("call-unchained", "call-general"):
+        if other in result:
+            result[other]["call_over_kernel"] = result[other]["ms"] / kern
     return out_rows
 
 
@@ -215,6 +231,9 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--unchained", action="store_true",
                    help="also time the call with cuda_backend.CHAIN_LAUNCHES off (a memset before each launch, no "
                         "programmatic dependent launches), interleaved with the others")
+    p.add_argument("--general", action="store_true",
+                   help="also time the call with its short path off (ops/cuda_call.py's ENABLED: planner.plan, then "
+                        "the plan's passes), interleaved with the others")
     a = p.parse_args(argv)
     fm = None
     if a.flashmla:
@@ -228,7 +247,8 @@ def main(argv=None, prog=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in a.cases.split(","):
         for h in (int(x) for x in a.heads.split(",")):
-            got = run_shape(SHAPES[name], h, a.workload, a.topk, fm, a.rounds, a.warmup, a.rep, a.unchained)
+            got = run_shape(SHAPES[name], h, a.workload, a.topk, fm, a.rounds, a.warmup, a.rep, a.unchained,
+                            a.general)
             rows += got
             c = next(r for r in got if r["method"] == "call")
             k = next(r for r in got if r["method"] == "kernel")
@@ -237,10 +257,11 @@ def main(argv=None, prog=None) -> int:
                   f"{f['ms'] if f else float('nan'):.3f} | {c.get('flashmla_over_call', float('nan')):.2f} | "
                   f"{c['extra_mib']:.0f} | {c['rel_err']:.1e} (kernel {k['rel_err']:.1e}"
                   f"{', FlashMLA %.1e' % f['rel_err'] if f else ''}) |", flush=True)
-            u = next((r for r in got if r["method"] == "call-unchained"), None)
-            if u:
-                print(f"| {name} unchained | {h} | {u['ms']:.3f} | | {u['call_over_kernel']:.3f} | | | | | "
-                      f"{u['rel_err']:.1e} |", flush=True)
+            for method in ("call-unchained", "call-general"):
+                u = next((r for r in got if r["method"] == method), None)
+                if u:
+                    print(f"| {name} {method[5:]} | {h} | {u['ms']:.3f} | | {u['call_over_kernel']:.3f} | | | | | "
+                          f"{u['rel_err']:.1e} |", flush=True)
             torch.cuda.empty_cache()
             # saved after each case: a run cut short keeps the rows it has
             bench.save(rows, a.out, {"command": "python " + " ".join(sys.argv)})

@@ -20,6 +20,7 @@ from ._checks import (
 )
 from .dispatch import PlanSettings
 from .kv_cache import D_NOPE, D_QK, FP8_BYTES, canonical_fp8_cache, is_fp8_cache
+from .ops import cuda_call
 from .ops.cuda_backend import launch_sparse_attention_cuda
 from .planner import Plan, plan as make_plan
 from .reference import sparse_prefill_reference
@@ -192,6 +193,11 @@ def sparse_prefill(
     made_here = decision.quilt and plan is None
     if made_here:
         pkw = dispatch.plan_settings(h, backend, settings)
+        if decision.kernel == "cuda" and precision == "exact":
+            done = cuda_call.run(q, kv, indices, topk_length, attn_sink, sm_scale, pkw,
+                                 workspace)  # (None: not its shape)
+            if done is not None:
+                return done
         plan = make_plan(indices, s_kv=s_kv, topk_length=topk_length, workspace=workspace, **pkw)
     work = dict(indices=indices, topk_length=topk_length)  # (with a plan: for its repair pass)
     if decision.quilt:

@@ -318,20 +318,39 @@ def launch_plan(indices, topk_length, s_kv, group_size, merge_level, tile, thr, 
     n_groups = out["group_tiles"].shape[0]
     if n_groups == 0:
         return
-    threads, log_flags, smem = plan_launch_shape(group_size, topk, tile)
+    prm = plan_block(indices.data_ptr(), indices.stride(0), _ptr(topk_length), s_q, topk, s_kv, n_groups,
+                     out["tile_kv"].shape[1], group_size, merge_level, tile, thr, importance_clip, split_private,
+                     {name: _ptr(out[name]) for name in PLAN_OUTPUTS})
+    submit_plan(prm, _raw_stream(indices.device))
+
+
+PLAN_OUTPUTS = ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "group_valid",
+                "dropped", "priv_idx", "priv_n")  # PlanParams' output pointers, in its order
+
+
+def plan_block(indices: int, stride_idx: int, topk_length: int | None, s_q: int, topk: int, s_kv: int | None,
+               n_groups: int, cap: int, group_size: int, merge_level: int, tile: int, thr: float,
+               importance_clip: bool, split_private: bool, outputs: dict) -> _PlanParams:
+    """The planner's parameter block: device addresses (``outputs``: ``PLAN_OUTPUTS`` -> address or None) and
+    the plan's shape, for ``submit_plan``; the one place the block is filled."""
     prm = _PlanParams()
-    prm.indices, prm.topk_length = indices.data_ptr(), _ptr(topk_length)
-    for name in ("tile_kv", "tile_mask", "tile_level", "tile_members", "group_tiles", "group_rows", "group_valid",
-                 "dropped", "priv_idx", "priv_n"):
-        setattr(prm, name, _ptr(out[name]))
-    prm.stride_idx = indices.stride(0)
+    prm.indices, prm.topk_length = indices, topk_length
+    for name in PLAN_OUTPUTS:
+        setattr(prm, name, outputs.get(name))
+    prm.stride_idx = stride_idx
     prm.s_q, prm.s_kv, prm.topk, prm.n_groups = s_q, PLAN_NO_BOUND if s_kv is None else s_kv, topk, n_groups
-    prm.cap, prm.tile, prm.merge = out["tile_kv"].shape[1], tile, merge_level
-    prm.iclip, prm.split, prm.log_flags, prm.thr = int(importance_clip), int(split_private), log_flags, float(thr)
+    prm.cap, prm.tile, prm.merge = cap, tile, merge_level
+    prm.iclip, prm.split, prm.thr = int(importance_clip), int(split_private), float(thr)
+    threads, prm.log_flags, smem = plan_launch_shape(group_size, topk, tile)
     prm.nslots = plan_table_slots(group_size, topk)
+    prm._launch = (group_size, threads, smem)
+    return prm
+
+
+def submit_plan(prm: _PlanParams, stream: int) -> None:
+    """Launch the planner kernel with ``plan_block``'s block on ``stream`` (a raw handle)."""
     lib = _library()
-    stream = _raw_stream(indices.device)
-    err = lib.quilt_plan_launch(ctypes.byref(prm), group_size, threads, smem, ctypes.c_void_p(stream))
+    err = lib.quilt_plan_launch(ctypes.byref(prm), *prm._launch, ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA planner launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 
@@ -349,13 +368,16 @@ def program_order(ntiles: torch.Tensor, max_tiles: int) -> torch.Tensor:
                          f"{PROGRAM_ORDER_MAX_TILES}; got {ntiles.dtype} {tuple(ntiles.shape)} on {ntiles.device}, "
                          f"max_tiles {max_tiles}")
     order = torch.empty_like(ntiles)
+    submit_order(ntiles.data_ptr(), ntiles.numel(), max_tiles, order.data_ptr(), _raw_stream(ntiles.device))
+    return order
+
+
+def submit_order(ntiles: int, n: int, max_tiles: int, order: int, stream: int) -> None:
+    """Launch the order kernel (``program_order``) on device addresses: ``order [n]`` from ``ntiles [n]``."""
     lib = _library()
-    stream = _raw_stream(ntiles.device)
-    err = lib.quilt_program_order_launch(_ptr(ntiles), ntiles.numel(), max_tiles, _ptr(order), int(CHAIN_LAUNCHES),
-                                         ctypes.c_void_p(stream))
+    err = lib.quilt_program_order_launch(ntiles, n, max_tiles, order, int(CHAIN_LAUNCHES), ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"program order launch failed: {lib.quilt_sm90_error_string(err).decode()}")
-    return order
 
 
 def mark_rows(words: torch.Tensor, s_kv: int, mark: torch.Tensor, packed: bool) -> None:
@@ -386,9 +408,16 @@ def plan_programs(plan, qp: int):
 
 def work_items(h: int, s_q: int, plan=None) -> int:
     """Work items of a launch: programs (the plan's, else one a query) x head blocks."""
-    qp, hb = program_shape(h, plan.group_size if plan is not None else 1)
-    n_prog = s_q if plan is None else plan.n_groups * (plan.group_size // min(qp, plan.group_size))
-    return n_prog * -(-h // hb)
+    return _work_shape(h, s_q, 1 if plan is None else plan.group_size, None if plan is None else plan.n_groups)[1]
+
+
+def _work_shape(h: int, s_q: int, group_size: int, n_groups: int | None) -> tuple[int, int]:
+    """(head blocks, work items) of a launch over ``n_groups`` plan groups of ``group_size`` (None: a program a
+    query): programs x head blocks."""
+    qp, hb = program_shape(h, group_size)
+    nhb = -(-h // hb)
+    n_prog = s_q if n_groups is None else n_groups * (group_size // min(qp, group_size))
+    return nhb, n_prog * nhb
 
 
 def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=None, plan=None, attn_sink=None,
@@ -433,71 +462,97 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
                              f"{tuple(x.stride())}, address % 16 = {x.data_ptr() % 16}")
     s_q, h, _ = q.shape
     G = plan.group_size if plan is not None else 1
-    qp, hb = program_shape(h, G)
-    assert hb & (hb - 1) == 0, f"program heads {hb} must be a power of two (the kernel shifts by log2)"
-    prm = _Params()
-    prm.q, prm.kv, prm.out, prm.max_logits, prm.lse = (t.data_ptr() for t in (q, kv, out, max_logits, lse))
-    prm.sink = _ptr(attn_sink) if not partial else None
-    prm.stride_qs, prm.stride_qh = q.stride(0), q.stride(1)
-    prm.stride_kv = kv.stride(0)
-    prm.stride_os, prm.stride_oh = out.stride(0), out.stride(1)
-    prm.s_q, prm.s_kv, prm.h = s_q, kv.shape[0], h
-    prm.group_size, prm.qp, prm.hb = G, qp, hb
-    prm.scale2 = float(sm_scale) * LOG2E
-    prm.skip = _skip
-    prm.q_scale = _ptr(q_scale)
-    if queue is not None:
-        if plan is not None or indices is None or partial or fp8mma or repair is not None:
-            raise ValueError("the repair pass (queue) runs final outputs over indices, without a plan, q_scale or "
-                             "a repair queue of its own")
-        prm.queue = queue.data_ptr()
+    if queue is not None and (plan is not None or indices is None or partial or fp8mma or repair is not None):
+        raise ValueError("the repair pass (queue) runs final outputs over indices, without a plan, q_scale or "
+                         "a repair queue of its own")
     if plan is not None:
-        prog_tiles, prog_ntiles, order = plan_programs(plan, qp)
+        prog_tiles, prog_ntiles, order = plan_programs(plan, program_shape(h, G)[0])
         cols = plan.tile_kv if tile_kv is None else tile_kv
         if cols.shape != plan.tile_kv.shape or cols.dtype != torch.int32 or not cols.is_contiguous():
             raise ValueError(f"tile_kv must be contiguous int32 {tuple(plan.tile_kv.shape)}, got {cols.dtype} "
                              f"{tuple(cols.shape)}")
-        prm.tile_kv, prm.tile_mask = cols.data_ptr(), _ptr(plan.tile_mask)  # None: packed columns
-        prm.prog_tiles, prm.prog_ntiles = _ptr(prog_tiles), prog_ntiles.data_ptr()
-        prm.prog_order = order.data_ptr()  # longest programs first
-        prm.prog_cap, prm.topk, prm.from_plan = plan.capacity, plan.topk, 1
+        source = dict(tile_kv=cols.data_ptr(), tile_mask=_ptr(plan.tile_mask),  # tile_mask None: packed columns
+                      prog_tiles=_ptr(prog_tiles), prog_ntiles=prog_ntiles.data_ptr(),
+                      prog_order=order.data_ptr(), prog_cap=plan.capacity, n_groups=plan.n_groups, topk=plan.topk)
     else:
-        prm.indices, prm.stride_idx, prm.topk = indices.data_ptr(), indices.stride(0), indices.shape[1]
-        prm.topk_length = _ptr(topk_length)
-    prm.nhb, prm.n_work = -(-h // hb), work_items(h, s_q, plan)
-    if _ctas is None:
-        _ctas = sm_count(q.device)
-    ctas = min(int(_ctas), prm.n_work)
+        source = dict(indices=indices.data_ptr(), stride_idx=indices.stride(0), topk=indices.shape[1],
+                      topk_length=_ptr(topk_length))
     if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != q.device):
         raise ValueError(f"counter must be one int32 on q's device, got {counter.dtype} {tuple(counter.shape)} "
                          f"on {counter.device}")
-    if counter is not None and CHAIN_LAUNCHES and not fp8mma:  # (the FP8 mode's launch zeroes its own)
-        prm.launch_flags |= _LAUNCH_COUNTER_ZEROED
-    else:
+    zeroed = counter is not None and CHAIN_LAUNCHES and not fp8mma  # (the FP8 mode's launch zeroes its own)
+    if not zeroed:
         counter = torch.empty(1, dtype=torch.int32, device=q.device)  # zeroed by the launch, on its stream
-    prm.work_counter = counter.data_ptr()
-    if CHAIN_LAUNCHES:
-        prm.launch_flags |= _LAUNCH_CHAINED
     if run_if is not None:
-        flag, prm.run_when = run_if[0], int(run_if[1])
+        flag = run_if[0]
         if flag.dtype != torch.int32 or flag.numel() < 1 or flag.device != q.device:
             raise ValueError(f"run_if's flag must be an int32 tensor on q's device, got {flag.dtype} on {flag.device}")
-        prm.run_flag = flag.data_ptr()
-    if repair is not None and not partial:
-        prm.repair = repair.data_ptr()
-    lib = _library()
-    stream = _raw_stream(q.device)
+    prm = attention_block(q, kv, out, max_logits, lse, sm_scale, G, sink=None if partial else _ptr(attn_sink),
+                          counter=counter.data_ptr(), counter_zeroed=zeroed, q_scale=_ptr(q_scale),
+                          queue=_ptr(queue), repair=None if partial else _ptr(repair),
+                          run_flag=None if run_if is None else run_if[0].data_ptr(),
+                          run_when=0 if run_if is None else int(run_if[1]), skip=_skip, **source)
     if fp8mma:
         if kv.dim() != 2 or kv.shape[1] != FP8_BYTES or out.dtype != torch.bfloat16:
             raise ValueError(f"the FP8 mode reads the FP8 cache uint8 [s_kv, {FP8_BYTES}] into bf16 out; got kv "
                              f"{tuple(kv.shape)}, out {out.dtype}")
-        err = lib.quilt_sm90_fp8mma_launch(ctypes.byref(prm), ctas, ctypes.c_void_p(stream))
     else:
         reason = unsupported_reason(q, kv, D_V)
         if reason:
             raise ValueError(reason)
-        dtype = 2 if kv.dtype == torch.uint8 else 0 if q.dtype == torch.bfloat16 else 1
-        err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype, int(partial), ctas, ctypes.c_void_p(stream))
+    ctas = min(int(sm_count(q.device) if _ctas is None else _ctas), prm.n_work)
+    submit_attention(prm, kv_code(q, kv), partial, fp8mma, ctas, _raw_stream(q.device))
+
+
+def kv_code(q, kv) -> int:
+    """The kernel instance's dtype code (``quilt_sm90_launch``): 0 bf16, 1 fp16, 2 bf16 q over the FP8 cache."""
+    return 2 if kv.dtype == torch.uint8 else 0 if q.dtype == torch.bfloat16 else 1
+
+
+def attention_block(q, kv, out, max_logits, lse, sm_scale: float, group_size: int, *, sink=None, tile_kv=None,
+                    tile_mask=None, prog_tiles=None, prog_ntiles=None, prog_order=None, prog_cap: int = 0,
+                    n_groups: int = 0, indices=None, stride_idx: int = 0, topk: int = 0, topk_length=None,
+                    counter: int, counter_zeroed: bool, q_scale=None, queue=None, repair=None, run_flag=None,
+                    run_when: int = 0, skip: int = 0) -> _Params:
+    """The attention kernel's parameter block, the one place it is filled: the tensors ``q, kv, out,
+    max_logits, lse`` (their addresses, strides and sizes) and device addresses (ints, or None) for the rest;
+    with ``tile_kv`` over a plan's programs (``n_groups`` groups of ``group_size``; ``prog_tiles`` None: one
+    program a group), else over ``indices`` query by query. ``counter``: the launch's work counter, zero
+    already when ``counter_zeroed``, else zeroed by the launch."""
+    s_q, h, _ = q.shape
+    qp, hb = program_shape(h, group_size)
+    assert hb & (hb - 1) == 0, f"program heads {hb} must be a power of two (the kernel shifts by log2)"
+    prm = _Params()
+    prm.q, prm.kv, prm.out, prm.max_logits, prm.lse = (t.data_ptr() for t in (q, kv, out, max_logits, lse))
+    prm.sink = sink
+    prm.stride_qs, prm.stride_qh = q.stride(0), q.stride(1)
+    prm.stride_kv = kv.stride(0)
+    prm.stride_os, prm.stride_oh = out.stride(0), out.stride(1)
+    prm.s_q, prm.s_kv, prm.h = s_q, kv.shape[0], h
+    prm.group_size, prm.qp, prm.hb = group_size, qp, hb
+    prm.scale2 = float(sm_scale) * LOG2E
+    prm.skip = skip
+    prm.q_scale, prm.queue, prm.repair = q_scale, queue, repair
+    if tile_kv is not None:
+        prm.tile_kv, prm.tile_mask, prm.prog_tiles, prm.prog_ntiles = tile_kv, tile_mask, prog_tiles, prog_ntiles
+        prm.prog_order, prm.prog_cap, prm.topk, prm.from_plan = prog_order, prog_cap, topk, 1
+    else:
+        prm.indices, prm.stride_idx, prm.topk, prm.topk_length = indices, stride_idx, topk, topk_length
+    prm.nhb, prm.n_work = _work_shape(h, s_q, group_size, n_groups if tile_kv is not None else None)
+    prm.work_counter = counter
+    prm.launch_flags = (_LAUNCH_COUNTER_ZEROED if counter_zeroed else 0) | (_LAUNCH_CHAINED if CHAIN_LAUNCHES else 0)
+    prm.run_flag, prm.run_when = run_flag, run_when
+    return prm
+
+
+def submit_attention(prm: _Params, dtype_code: int, partial: bool, fp8mma: bool, ctas: int, stream: int) -> None:
+    """Launch the attention kernel (``fp8mma``: the FP8 mode's) with ``attention_block``'s block: ``ctas``
+    persistent CTAs on ``stream`` (a raw handle)."""
+    lib = _library()
+    if fp8mma:
+        err = lib.quilt_sm90_fp8mma_launch(ctypes.byref(prm), ctas, ctypes.c_void_p(stream))
+    else:
+        err = lib.quilt_sm90_launch(ctypes.byref(prm), dtype_code, int(partial), ctas, ctypes.c_void_p(stream))
     if err != 0:
         raise CudaBackendError(f"CUDA backend launch failed: {lib.quilt_sm90_error_string(err).decode()}")
 

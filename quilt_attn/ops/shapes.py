@@ -15,6 +15,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
 def program_shape(h: int, group_size: int) -> tuple[int, int]:
     """``(QP, HB)``: queries and (padded) heads a program owns; ``QP * HB`` rows, 16..64."""
     hb = min(_next_pow2(h), 64)

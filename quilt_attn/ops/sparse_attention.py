@@ -374,10 +374,19 @@ def repair_buffer(s_q: int, device):
 def spare_word(repair, i: int):
     """Spare word ``i`` (< ``REPAIR_SPARE``) of ``repair_buffer``'s buffer, an int32 ``[1]`` view, zero until a
     launch uses it (the CUDA backend: a launch's work counter, so that no memset of its own is needed)."""
+    at = _spare_at(repair, i)
+    return repair[at:at + 1]
+
+
+def spare_address(repair, i: int) -> int:
+    """The device address of ``spare_word(repair, i)`` (no view made: a launcher that passes addresses)."""
+    return repair.data_ptr() + 4 * _spare_at(repair, i)
+
+
+def _spare_at(repair, i: int) -> int:
     if not 0 <= i < REPAIR_SPARE:
         raise ValueError(f"spare word {i} of {REPAIR_SPARE}")
-    at = repair.numel() - REPAIR_SPARE + i
-    return repair[at:at + 1]
+    return repair.numel() - REPAIR_SPARE + i
 
 
 def repair_programs(device, s_q: int) -> int:

@@ -64,6 +64,18 @@ def _aligned_bytes(shape) -> int:
     return -(-4 * math.prod(shape) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
+def buffer_layout(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool,
+                  s_kv: int | None) -> tuple[dict, dict, int]:
+    """``(shapes, offsets, bytes)`` of a plan's int32 tensors in one workspace: ``{name: shape}``, ``{name: byte
+    offset}`` (each ``WORKSPACE_ALIGN``-aligned, in ``plan_buffers``' order) and the bytes they take."""
+    shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
+    offsets, off = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = off
+        off += _aligned_bytes(shape)
+    return shapes, offsets, off
+
+
 def plan_workspace_bytes(s_q: int, topk: int, *, group_size: int = 8, merge_level: int = 1, tile: int = 64,
                          split_private: bool = False, s_kv: int | None = None) -> int:
     """Bytes of the caller-owned ``workspace`` that ``plan(..., workspace=...)`` carves the plan's tensors from.
@@ -77,12 +89,24 @@ def plan_workspace_bytes(s_q: int, topk: int, *, group_size: int = 8, merge_leve
     for name, v in (("s_q", s_q), ("topk", topk), ("tile", tile)):
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "tile" else 0):
             raise ValueError(f"{name} must be a {'positive' if name == 'tile' else 'non-negative'} int, got {v!r}")
-    shapes = _buffer_shapes(s_q, topk, G, M, tile, bool(split_private), s_kv)
-    return sum(_aligned_bytes(shape) for shape in shapes.values())
+    return buffer_layout(s_q, topk, G, M, tile, bool(split_private), s_kv)[2]
 
 
-def _carve(workspace, shapes: dict, need: int, device) -> dict:
-    """Int32 views of ``shapes`` cut from a caller's uint8 ``workspace`` (checked), each slice aligned."""
+def _carve(workspace, layout: tuple, device) -> dict:
+    """Int32 views of ``layout``'s (``buffer_layout``'s) tensors cut from a caller's uint8 ``workspace``
+    (checked), each slice aligned."""
+    shapes, offsets, need = layout
+    check_workspace(workspace, need, device)
+    flat, out = workspace.view(-1), {}
+    for name, shape in shapes.items():
+        off = offsets[name]
+        out[name] = flat[off:off + 4 * math.prod(shape)].view(torch.int32).view(shape)
+    return out
+
+
+def check_workspace(workspace, need: int, device) -> None:
+    """A caller's ``workspace`` for a plan of ``need`` bytes on ``device``: ``TypeError`` / ``ValueError`` naming
+    it unless it is a contiguous, ``WORKSPACE_ALIGN``-aligned uint8 tensor there of at least ``need`` bytes."""
     if not isinstance(workspace, torch.Tensor):
         raise TypeError(f"workspace must be a uint8 torch.Tensor, got {type(workspace).__name__}")
     if workspace.dtype != torch.uint8:
@@ -94,12 +118,6 @@ def _carve(workspace, shapes: dict, need: int, device) -> dict:
     if workspace.numel() < need:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {need} "
                          f"(plan_workspace_bytes)")
-    flat, out, off = workspace.view(-1), {}, 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        out[name] = flat[off:off + 4 * n].view(torch.int32).view(shape)
-        off += _aligned_bytes(shape)
-    return out
 
 
 def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: bool, device,
@@ -112,11 +130,11 @@ def plan_buffers(s_q: int, topk: int, G: int, M: int, T: int, split_private: boo
     is too small, of another dtype or device); None allocates them. ``filled=False``: the tile arrays and
     ``dropped`` come uninitialized, for a planner that writes every slot and every query's count itself.
     """
-    shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
     if workspace is None:
+        shapes = _buffer_shapes(s_q, topk, G, M, T, split_private, s_kv)
         out = {name: torch.empty(shape, dtype=torch.int32, device=device) for name, shape in shapes.items()}
     else:
-        out = _carve(workspace, shapes, sum(_aligned_bytes(sh) for sh in shapes.values()), device)
+        out = _carve(workspace, buffer_layout(s_q, topk, G, M, T, split_private, s_kv), device)
     out.setdefault("tile_mask", None)
     out.setdefault("priv_idx", None)
     out.setdefault("priv_n", None)
