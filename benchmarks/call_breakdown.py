@@ -8,8 +8,9 @@ sampled queries first (``rel_err`` printed; exit 1 above ``CALL_REL_L2`` or on a
 With ``--timeline SHAPES`` (engine shapes, e.g. ``pool-4M,chunk-prefix``; bf16 pools) it prints instead, per shape
 and h, the GPU operations of one call in order (start, duration, gap before it) and the host's time a call:
 enqueueing 20 calls without waiting, and the same calls waited for. ``--host`` adds, per shape and h, the host time
-of the call and of its pieces (the planner, each launch, the allocations), each timed over 50 calls while a sleep
-kernel holds the GPU, so that nothing the host does waits on it (the least of three rounds).
+of the call and of its pieces (the planner, each launch, the allocations; the call also through the general path,
+``ops/cuda_call.py``'s short host path off), each timed over 50 calls while a sleep kernel holds the GPU, so that
+nothing the host does waits on it (the least of three rounds).
 
     python benchmarks/run.py call-breakdown [--out F.txt] [--timeline pool-4M,chunk-prefix [--host]]
 """
@@ -80,6 +81,7 @@ def host_parts(q, kv, idx) -> list[str]:
     """Host microseconds a call of the default call and of its pieces, the GPU held busy (see the docstring)."""
     from quilt_attn import dispatch
     from quilt_attn.ops import cuda_backend as cb
+    from quilt_attn.ops import cuda_call
     from quilt_attn.ops import sparse_attention as sa
 
     s_q, h, _ = q.shape
@@ -88,8 +90,16 @@ def host_parts(q, kv, idx) -> list[str]:
     out, ml, lse = sa.alloc_outputs(q, 512)
     queue = sa.repair_buffer(s_q, q.device)
     scale = 576 ** -0.5
+    def general():  # the call with ops/cuda_call.py's short host path off
+        cuda_call.ENABLED = False
+        try:
+            return quilt_attn.sparse_prefill(q, kv, idx)
+        finally:
+            cuda_call.ENABLED = True
+
     parts = {
         "the call": lambda: quilt_attn.sparse_prefill(q, kv, idx),
+        "the call, general path": general,
         "the call, plan given": lambda: quilt_attn.sparse_prefill(q, kv, idx, plan=plan),
         "plan()": lambda: quilt_attn.plan(idx, s_kv=kv.shape[0], **pkw),
         "tile pass launch (CUDA)": lambda: cb.launch(q, kv, scale, out, ml, lse, plan=plan, repair=queue),

@@ -381,6 +381,25 @@ def _unchained_table(doc) -> list[str]:
     return lines + [""]
 
 
+def _general_table(doc) -> list[str]:
+    """The run's `call-general` rows (``engine_shapes.py --general``: the call with ``ops/cuda_call.py``'s short
+    host path off, interleaved with the others) beside the call as it ships."""
+    by = _by_shape(doc["rows"])
+    pairs = [(k, m) for k, m in by.items() if "call-general" in m and "call" in m]
+    if not pairs:
+        return []
+    lines = ["The same run's calls through the general path (`--general`: `planner.plan`, then the plan's passes, "
+             "as before the short host path of `quilt_attn/ops/cuda_call.py`), interleaved with the rest. Where the "
+             "host takes longer to enqueue a call than the GPU to run it, the call's time is the host's:", "",
+             "| case | h | call, short path (ms) | call, general path (ms) | call / kernel, short / general |",
+             "| --- | --- | --- | --- | --- |"]
+    for (shape, h), m in pairs:
+        c, g = m["call"], m["call-general"]
+        lines.append(f"| {shape} | {h} | {c['ms']:.3f} | {g['ms']:.3f} | {c['call_over_kernel']:.3f} / "
+                     f"{g['call_over_kernel']:.3f} |")
+    return lines + [""]
+
+
 def _engine(docs, paths, root) -> list[str]:
     """The engine-shape section: ``docs`` newest first (the first: the current code's run; the others earlier
     runs, e.g. the last one beside FlashMLA), ``paths`` their files."""
@@ -414,6 +433,7 @@ def _engine(docs, paths, root) -> list[str]:
                  "; FlashMLA was not timed in this run (\"-\"): the earlier run below ran beside it."), "",
               *_engine_table(doc), ""]
     lines += _unchained_table(doc)
+    lines += _general_table(doc)
     for d, p in zip(docs[1:], paths[1:]):
         same = d.get("commit") == doc.get("commit")
         lines += [(f"The same code beside FlashMLA ({_header_lines(d, p, root)}; fewer rounds, so its call / kernel "
