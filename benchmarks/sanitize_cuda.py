@@ -9,7 +9,7 @@ and topk_length at h=64, fp16 partial output, the FP8 cache widened in the kerne
 relative L2 error of ``CALL_REL_L2["bf16"]``). Then the FP8 tensor-core mode through the public call (``precision="fp8"``: the
 CUDA planner, q's quantization, the FP8 kernel and its repair pass, all CUDA), checked against its emulation
 (``fp8_mode.sparse_prefill_fp8_kernel_reference``), the FP8 compaction's CUDA mark pass, and the public bf16 call (its launches chained) with a NaN
-kv row. ``--out``: the rows as JSON (with GPU, commit, versions).
+kv row, and on its short host path with a workspace, ``topk_length`` and ``attn_sink``. ``--out``: the rows as JSON (with GPU, commit, versions).
 
 ``--strict-sync`` runs the kernel built with QUILT_SANITIZER_SYNC: hand-offs racecheck can model
 (rendezvous barriers, copies waited for) in place of bar.arrive and copy-completion mbarrier
@@ -85,6 +85,7 @@ def main(argv=None, prog=None) -> int:
         print(f"h={h:<3} plan={use_plan!s:<5} ctas={ctas!s:<4} kv {str(kv_dtype):<15} rel-L2 {err:.2e}  nan={nan}")
     rows.append(repair_queue_case(idx_cpu, kv))
     rows.append(chained_call_case(idx_cpu, kv))
+    rows.append(short_path_case(idx_cpu, kv))
     rows += [mark_rows_case(packed) for packed in (False, True)]
     rows += [fp8mma_case(h, method, idx, cache, nonfinite) for h, method, nonfinite in FP8MMA_CASES]
     return verdict(rows, a.out)
@@ -139,6 +140,37 @@ def chained_call_case(idx_cpu, kv) -> dict:
     print(f"chained call h={h} (NaN row of {int(selecting.sum())} query): rel-L2 of the others {err:.2e}  "
           f"NaN differ={nan}")
     return dict(h=h, plan=True, dtype=str(kv.dtype), kv="bf16 with a NaN row, chained launches", ctas=None,
+                rel_err=err, nan=nan, strict_sync=False)
+
+
+def short_path_case(idx_cpu, kv) -> dict:
+    """The public bf16 call at h = 8 on its short host path (``ops/cuda_call.py``: the planner writing into the
+    caller's workspace, the order kernel, the attention and the repair pass launched from addresses), with
+    ``topk_length`` and ``attn_sink``, against the float64 reference. A row: rel-L2 of out."""
+    from quilt_attn import dispatch
+    from quilt_attn.ops import cuda_call
+
+    s_q, topk, h = idx_cpu.shape[0], idx_cpu.shape[1], 8
+    q = torch.randn(s_q, h, 576, dtype=kv.dtype, device="cuda")
+    lengths = torch.randint(0, topk + 10, (s_q,), dtype=torch.int32)
+    sink = torch.randn(h, dtype=torch.float32)
+    ws = torch.empty(dispatch.workspace_bytes(s_q, topk, h, s_kv=kv.shape[0], backend="cuda"), dtype=torch.uint8,
+                     device="cuda")
+    taken = []
+    real_run = cuda_call.run
+    cuda_call.run = lambda *a, **k: taken.append(real_run(*a, **k)) or taken[-1]
+    try:
+        out, _, _ = sparse_prefill(q, kv, idx_cpu.cuda(), 576**-0.5, topk_length=lengths.cuda(), attn_sink=sink.cuda(),
+                                   workspace=ws)
+    finally:
+        cuda_call.run = real_run
+    torch.cuda.synchronize()
+    ro, _, _ = sparse_prefill_reference(q.cpu(), kv.cpu(), idx_cpu, 576**-0.5, d_v=512, topk_length=lengths,
+                                        attn_sink=sink)
+    err = float((out.cpu().double() - ro).norm() / ro.norm())
+    nan = bool(out.isnan().any()) or not (taken and taken[-1] is not None)
+    print(f"short path h={h} (workspace, topk_length, attn_sink): rel-L2 {err:.2e}  nan or not taken={nan}")
+    return dict(h=h, plan=True, dtype=str(kv.dtype), kv="bf16, the call's short host path", ctas=None,
                 rel_err=err, nan=nan, strict_sync=False)
 
 
