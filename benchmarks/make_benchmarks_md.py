@@ -29,7 +29,7 @@ DEFAULTS = dict(
     plan_beside=RESULTS / "h200_plan_reserved_sms_v11.json",
     clip=RESULTS / "clip_accuracy_cpu.json",
     # newest first; the first is the current code's run, the others earlier runs (the last one beside FlashMLA)
-    engine=[RESULTS / "h200_engine_shapes_6c5dfa7.json"],
+    engine=[RESULTS / "h200_engine_shapes_99e00e4.json", RESULTS / "h200_engine_shapes_6c5dfa7.json"],
     fp8_mode=RESULTS / "fp8_accuracy_cpu.json",
     fp8_cache=[RESULTS / "h200_fp8_cache_f5c21d4.json"],
     repair=RESULTS / "h200_repair_cost_00482d8.json",
@@ -84,7 +84,10 @@ UNMEASURED_CHANGES = [
     "`h200_call_timeline_unchained_6c5dfa7.txt`; measured in the engine-shape and FP8-cache sections);",
     "the FP8 compaction marks rows by a CUDA kernel (a hash set in shared memory per CTA before any store) and "
     "renumbers in place only the words that reference a row (measured in the FP8-cache section; "
-    "`h200_fp8_mark_ab_f5c21d4.txt`).",
+    "`h200_fp8_mark_ab_f5c21d4.txt`);",
+    "the default CUDA call (a plan made in the call, dense kv) takes a short host path, `ops/cuda_call.py`: "
+    "layouts worked out once a shape, the plan written into one workspace, the same kernels and parameter "
+    "blocks (measured in the engine-shape section, `--general` beside it).",
 ]
 STATUS_CODE_COMMIT = "3c8818e"  # the commit that made the changes above
 # What ran at the commits of the recorded files (a result file names its commit only); results of these commits
