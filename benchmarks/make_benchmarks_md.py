@@ -366,40 +366,38 @@ def _engine_table(doc) -> list[str]:
 def _unchained_table(doc) -> list[str]:
     """The run's `call-unchained` rows (``engine_shapes.py --unchained``: the call with a memset before each launch
     and no programmatic dependent launches, interleaved with the others) beside the call as it ships."""
-    by = _by_shape(doc["rows"])
-    pairs = [(k, m) for k, m in by.items() if "call-unchained" in m and "call" in m]
-    if not pairs:
-        return []
-    lines = ["The same run's calls with their launches unchained (`--unchained`: a memset before the attention and "
-             "before the repair pass, each launch waiting for the one before it to finish), interleaved with the "
-             "rest; `paired`: the median over rounds of (unchained - chained), each round's two calls timed next to "
-             "each other:", "",
-             "| case | h | call, chained (ms) | call, unchained (ms) | call / kernel, chained / unchained | paired (us) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for (shape, h), m in pairs:
-        c, u = m["call"], m["call-unchained"]
-        paired = statistics.median(b - a for a, b in zip(c["rounds_ms"], u["rounds_ms"])) * 1e3
-        lines.append(f"| {shape} | {h} | {c['ms']:.3f} | {u['ms']:.3f} | {c['call_over_kernel']:.3f} / "
-                     f"{u['call_over_kernel']:.3f} | {paired:+.0f} |")
-    return lines + [""]
+    return _variant_table(doc, "call-unchained", (
+        "The same run's calls with their launches unchained (`--unchained`: a memset before the attention and "
+        "before the repair pass, each launch waiting for the one before it to finish), interleaved with the "
+        "rest; `paired`: the median over rounds of (unchained - chained), each round's two calls timed next to "
+        "each other:"), "chained", "unchained")
 
 
 def _general_table(doc) -> list[str]:
     """The run's `call-general` rows (``engine_shapes.py --general``: the call with ``ops/cuda_call.py``'s short
     host path off, interleaved with the others) beside the call as it ships."""
+    return _variant_table(doc, "call-general", (
+        "The same run's calls through the general path (`--general`: `planner.plan`, then the plan's passes, as "
+        "before the short host path of `quilt_attn/ops/cuda_call.py`), interleaved with the rest; `paired`: the "
+        "median over rounds of (general - short). Where the host takes longer to enqueue a call than the GPU to "
+        "run it, the call's time is the host's:"), "short path", "general path")
+
+
+def _variant_table(doc, method: str, intro: str, ours: str, theirs: str) -> list[str]:
+    """The run's ``method`` rows beside its ``call`` rows (``ours``: the call as it ships, ``theirs``: the
+    variant), with the median over rounds of each round's paired difference."""
     by = _by_shape(doc["rows"])
-    pairs = [(k, m) for k, m in by.items() if "call-general" in m and "call" in m]
+    pairs = [(k, m) for k, m in by.items() if method in m and "call" in m]
     if not pairs:
         return []
-    lines = ["The same run's calls through the general path (`--general`: `planner.plan`, then the plan's passes, "
-             "as before the short host path of `quilt_attn/ops/cuda_call.py`), interleaved with the rest. Where the "
-             "host takes longer to enqueue a call than the GPU to run it, the call's time is the host's:", "",
-             "| case | h | call, short path (ms) | call, general path (ms) | call / kernel, short / general |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [intro, "",
+             f"| case | h | call, {ours} (ms) | call, {theirs} (ms) | call / kernel, {ours} / {theirs} | "
+             "paired (us) |", "| --- | --- | --- | --- | --- | --- |"]
     for (shape, h), m in pairs:
-        c, g = m["call"], m["call-general"]
-        lines.append(f"| {shape} | {h} | {c['ms']:.3f} | {g['ms']:.3f} | {c['call_over_kernel']:.3f} / "
-                     f"{g['call_over_kernel']:.3f} |")
+        c, u = m["call"], m[method]
+        paired = statistics.median(b - a for a, b in zip(c["rounds_ms"], u["rounds_ms"])) * 1e3
+        lines.append(f"| {shape} | {h} | {c['ms']:.3f} | {u['ms']:.3f} | {c['call_over_kernel']:.3f} / "
+                     f"{u['call_over_kernel']:.3f} | {paired:+.0f} |")
     return lines + [""]
 
 
