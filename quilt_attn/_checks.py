@@ -128,4 +128,4 @@ def check_attn_sink(attn_sink, h: int, device) -> torch.Tensor | None:
         raise ValueError(f"attn_sink must have shape [h] = [{h}], got {tuple(attn_sink.shape)}")
     if attn_sink.device != device:
         raise ValueError(f"attn_sink is on {attn_sink.device} but q is on {device}")
-    return attn_sink
+    return attn_sink.contiguous()  # (the kernels read one float a head by address: a strided view is copied)

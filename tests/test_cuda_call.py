@@ -49,6 +49,7 @@ def _inputs(h, s_q, s_kv, dtype, seed, wide):
     (16, 1000, 16384, BF16, ""),           # a last group of fewer queries than the group
     (8, 777, 1 << 20, BF16, "topk_length"),  # slot ids in a pool
     (32, 512, 16384, BF16, "sink"),
+    (16, 512, 16384, BF16, "sink_view"),   # the sink a strided view: one layer's column of a table
     (4, 300, 16384, BF16, "nan_row"),      # a NaN row one query selects: the repair pass recomputes its partners
     (3, 256, 16384, FP16, ""),
     (1, 129, 16384, BF16, "sink"),
@@ -63,6 +64,9 @@ def test_gpu_default_call_equals_the_general_path_bit_for_bit(h, s_q, s_kv, dtyp
         kw["topk_length"] = torch.randint(0, 2049, (s_q,), device="cuda", dtype=torch.int32)
     if extra == "sink":
         kw["attn_sink"] = torch.randn(h, device="cuda", dtype=torch.float32)
+    if extra == "sink_view":
+        kw["attn_sink"] = (3 * torch.randn(h, 3, device="cuda", dtype=torch.float32))[:, 1]
+        assert not kw["attn_sink"].is_contiguous()
     if extra == "workspace":
         n = dispatch.workspace_bytes(s_q, 2048, h, s_kv=s_kv, backend="cuda")
         kw["workspace"] = torch.full((n,), 0xAB, dtype=torch.uint8, device="cuda")  # (garbage: the plan overwrites)
@@ -82,7 +86,7 @@ def test_gpu_default_call_equals_the_general_path_bit_for_bit(h, s_q, s_kv, dtyp
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.equal(_bits(a), _bits(b)), f"{name} differs from the general path's"
     rows = torch.tensor([0, 3, 7, 9, 11, 20, s_q // 2, s_q - 1], device="cuda")
-    want = sparse_prefill_reference(q[rows], kv, idx[rows], **{k: v[rows] if k == "topk_length" else v
+    want = sparse_prefill_reference(q[rows], kv, idx[rows], **{k: v[rows] if k == "topk_length" else v.contiguous()
                                                               for k, v in kw.items() if k != "workspace"})
     got = tuple(t[rows] for t in fast)
     if extra == "nan_row":  # query 20 selected the NaN row itself: NaN there, as in the reference; its partners not

@@ -201,6 +201,23 @@ def test_attn_sink(method):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("method", METHODS)
+def test_attn_sink_view_of_a_wider_tensor(method):
+    """A sink that is a strided view (one layer's column of a [h, n_layers] table) gives what its contiguous copy
+    gives: the kernels read it by address, one float a head."""
+    h = 4
+    q, kv, idx = make_inputs(16, h, s_kv=96, topk=40, seed=51)
+    table = torch.tensor([[1.5, -3.0, 0.0], [-0.5, 2.0, 9.0], [3.0, -1.0, 4.0], [0.25, 6.0, -7.0]],
+                         dtype=torch.float32, device=q.device)
+    sink = table[:, 1]
+    assert not sink.is_contiguous()
+    got = run(q, kv, idx, method, group_size=4, attn_sink=sink)
+    assert_matches_reference(got, ref(q, kv, idx, attn_sink=sink.contiguous()), F16, what=method)
+    same = run(q, kv, idx, method, group_size=4, attn_sink=sink.contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(got, same))
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("entry", ["quilt", "query_parallel", "compat"])
 def test_stats_are_flashmla_natural_log(entry):
     """Every public entry returns FlashMLA's statistics, checked against their definitions computed here
