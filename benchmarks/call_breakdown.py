@@ -23,7 +23,7 @@ import time
 import torch
 
 import quilt_attn
-from engine_shapes import SHAPES, paged_indices
+from engine_shapes import SHAPES, paged_indices, switched_off
 from quilt_attn.kv_cache import quantize_fp8
 from quilt_attn.tolerances import CALL_REL_L2
 from quilt_attn.workloads import generate
@@ -90,16 +90,10 @@ def host_parts(q, kv, idx) -> list[str]:
     out, ml, lse = sa.alloc_outputs(q, 512)
     queue = sa.repair_buffer(s_q, q.device)
     scale = 576 ** -0.5
-    def general():  # the call with ops/cuda_call.py's short host path off
-        cuda_call.ENABLED = False
-        try:
-            return quilt_attn.sparse_prefill(q, kv, idx)
-        finally:
-            cuda_call.ENABLED = True
-
     parts = {
         "the call": lambda: quilt_attn.sparse_prefill(q, kv, idx),
-        "the call, general path": general,
+        # (ops/cuda_call.py's short host path off)
+        "the call, general path": lambda: switched_off(cuda_call, "ENABLED", quilt_attn.sparse_prefill, q, kv, idx),
         "the call, plan given": lambda: quilt_attn.sparse_prefill(q, kv, idx, plan=plan),
         "plan()": lambda: quilt_attn.plan(idx, s_kv=kv.shape[0], **pkw),
         "tile pass launch (CUDA)": lambda: cb.launch(q, kv, scale, out, ml, lse, plan=plan, repair=queue),

@@ -108,6 +108,15 @@ def extra_mib(fn, out_bytes: int) -> float:
     return (peak - base - out_bytes) / 2**20
 
 
+def switched_off(module, flag: str, fn, *args):
+    """``fn(*args)`` with ``module.flag`` (a measurement switch, True as shipped) False for its duration."""
+    setattr(module, flag, False)
+    try:
+        return fn(*args)
+    finally:
+        setattr(module, flag, True)
+
+
 def time_alternating(variants: dict, rounds: int, warmup: int, rep: int) -> dict:
     """``bench.interleaved_rounds`` of ``variants`` (name -> fn(set index)), each call on the other of two input
     sets than the call before (so that none finds the last one's indices or rows in L2): name -> round times."""
@@ -152,26 +161,12 @@ def run_shape(shape: Shape, h: int, workload: str, topk: int, fm, rounds: int, w
         work = dict(plan=plan) if plan is not None else dict(indices=idx)
         cuda_backend.launch(q[:, :h], kv, sm_scale, k_out, k_ml, k_lse, **work)
 
-    def unchained_call(q, kv, idx):  # the call with cuda_backend.CHAIN_LAUNCHES off (memsets, no chain)
-        cuda_backend.CHAIN_LAUNCHES = False
-        try:
-            return ours_call(q, kv, idx)
-        finally:
-            cuda_backend.CHAIN_LAUNCHES = True
-
-    def general_call(q, kv, idx):  # the call with cuda_call.ENABLED off: planner.plan, then the plan's passes
-        cuda_call.ENABLED = False
-        try:
-            return ours_call(q, kv, idx)
-        finally:
-            cuda_call.ENABLED = True
-
     variants = {"call": lambda i: ours_call(*sets[i]),
                 "kernel": lambda i: ours_kernel(*sets[i], plans[i])}
-    if unchained:
-        variants["call-unchained"] = lambda i: unchained_call(*sets[i])
-    if general:
-        variants["call-general"] = lambda i: general_call(*sets[i])
+    if unchained:  # the call with cuda_backend.CHAIN_LAUNCHES off (memsets, no chain)
+        variants["call-unchained"] = lambda i: switched_off(cuda_backend, "CHAIN_LAUNCHES", ours_call, *sets[i])
+    if general:  # the call with cuda_call.ENABLED off: planner.plan, then the plan's passes
+        variants["call-general"] = lambda i: switched_off(cuda_call, "ENABLED", ours_call, *sets[i])
     if fm is not None:
         f_out, f_ml, f_lse = fm.outputs(s_q, h_run, torch.bfloat16, dev)
         variants["flashmla"] = lambda i: fm.launch(sets[i][0], sets[i][1], sets[i][2], f_out, f_ml, f_lse,

@@ -500,8 +500,7 @@ def launch(q, kv, sm_scale, out, max_logits, lse, *, indices=None, topk_length=N
         reason = unsupported_reason(q, kv, D_V)
         if reason:
             raise ValueError(reason)
-    ctas = min(int(sm_count(q.device) if _ctas is None else _ctas), prm.n_work)
-    submit_attention(prm, kv_code(q, kv), partial, fp8mma, ctas, _raw_stream(q.device))
+    submit_attention(prm, kv_code(q, kv), partial, fp8mma, q.device, ctas=_ctas)
 
 
 def kv_code(q, kv) -> int:
@@ -545,9 +544,13 @@ def attention_block(q, kv, out, max_logits, lse, sm_scale: float, group_size: in
     return prm
 
 
-def submit_attention(prm: _Params, dtype_code: int, partial: bool, fp8mma: bool, ctas: int, stream: int) -> None:
-    """Launch the attention kernel (``fp8mma``: the FP8 mode's) with ``attention_block``'s block: ``ctas``
-    persistent CTAs on ``stream`` (a raw handle)."""
+def submit_attention(prm: _Params, dtype_code: int, partial: bool, fp8mma: bool, device: torch.device,
+                     ctas: int | None = None) -> None:
+    """Launch the attention kernel (``fp8mma``: the FP8 mode's) with ``attention_block``'s block on the current
+    stream of ``device``: a persistent grid of one CTA an SM (``ctas``, measurement only: that many), never more
+    than the block's work items."""
+    ctas = min(int(sm_count(device) if ctas is None else ctas), prm.n_work)
+    stream = _raw_stream(device)
     lib = _library()
     if fp8mma:
         err = lib.quilt_sm90_fp8mma_launch(ctypes.byref(prm), ctas, ctypes.c_void_p(stream))

@@ -23,19 +23,19 @@ import functools
 
 import torch
 
+from ..dispatch import natural_log_stats
+from ..planner.buffers import buffer_layout, check_workspace
 from . import cuda_backend as cb
-from .shapes import program_shape, sm_count
+from .shapes import program_shape
 
 ENABLED = True  # False (measurement, tests): every call takes the general path
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(s_q: int, h: int, topk: int, s_kv: int, group_size: int, merge_level: int, tile: int, device: int):
-    """What a call of these shapes on CUDA device ``device`` needs beyond its tensors' addresses, or None where
-    the general path runs it: (byte offset of each plan output in the workspace, the plan's bytes (the program
-    order follows them), n_groups, tile capacity, the attention's and the repair pass's CTAs)."""
-    from ..planner.buffers import buffer_layout
-
+def _layout(s_q: int, h: int, topk: int, s_kv: int, group_size: int, merge_level: int, tile: int):
+    """What a call of these shapes needs beyond its tensors' addresses, or None where the general path runs it:
+    (byte offset of each plan output in the workspace, the plan's bytes (the program order follows them),
+    n_groups, tile capacity)."""
     qp = program_shape(h, group_size)[0]
     if tile != cb.TILE or qp < group_size or cb.plan_unsupported_reason(group_size, topk, tile) is not None:
         return None
@@ -43,10 +43,7 @@ def _layout(s_q: int, h: int, topk: int, s_kv: int, group_size: int, merge_level
     n_groups, cap = shapes["tile_kv"][0], shapes["tile_kv"][1]
     if cap > cb.PROGRAM_ORDER_MAX_TILES:
         return None
-    ctas = sm_count(torch.device("cuda", device))
-    tile_work = cb._work_shape(h, s_q, group_size, n_groups)[1]
-    repair_work = cb._work_shape(h, s_q, 1, None)[1]
-    return tuple(offsets.items()), nbytes, n_groups, cap, min(ctas, tile_work), min(ctas, repair_work)
+    return tuple(offsets.items()), nbytes, n_groups, cap
 
 
 def run(q, kv, indices, topk_length, attn_sink, sm_scale: float, pkw: dict, workspace=None):
@@ -61,12 +58,11 @@ def run(q, kv, indices, topk_length, attn_sink, sm_scale: float, pkw: dict, work
             or not cb.copies_16_bytes(kv)):
         return None
     G, M, T = pkw["group_size"], pkw["merge_level"], pkw["tile"]
-    layout = _layout(s_q, h, topk, s_kv, G, M, T, q.device.index)
+    layout = _layout(s_q, h, topk, s_kv, G, M, T)
     if layout is None:
         return None
-    offsets, nbytes, n_groups, cap, tile_ctas, repair_ctas = layout
+    offsets, nbytes, n_groups, cap = layout
     dev = q.device
-    from ..dispatch import natural_log_stats
     from .sparse_attention import alloc_outputs, repair_buffer, spare_address  # (a Triton kernel module)
 
     if workspace is None:  # the plan, then the program order (16-byte aligned: nbytes is)
@@ -74,8 +70,6 @@ def run(q, kv, indices, topk_length, attn_sink, sm_scale: float, pkw: dict, work
         base = work.data_ptr()
         order = base + nbytes
     else:
-        from ..planner.buffers import check_workspace
-
         check_workspace(workspace, nbytes, dev)
         work = torch.empty(n_groups, dtype=torch.int32, device=dev)
         base, order = workspace.data_ptr(), work.data_ptr()
@@ -95,11 +89,11 @@ def run(q, kv, indices, topk_length, attn_sink, sm_scale: float, pkw: dict, work
                                tile_mask=at.get("tile_mask"), prog_ntiles=at["group_tiles"], prog_order=order,
                                prog_cap=cap, n_groups=n_groups, topk=topk, counter=spare_address(queue, 0),
                                counter_zeroed=True, repair=qa)
-    cb.submit_attention(tiles, code, False, False, tile_ctas, stream)
+    cb.submit_attention(tiles, code, False, False, dev)
     fix = cb.attention_block(q, kv, out, max_logits, lse, sm_scale, 1, sink=sink, indices=indices.data_ptr(),
                              stride_idx=indices.stride(0), topk=topk, topk_length=lengths,
                              counter=spare_address(queue, 1), counter_zeroed=True, queue=qa)
-    cb.submit_attention(fix, code, False, False, repair_ctas, stream)
+    cb.submit_attention(fix, code, False, False, dev)
     # the buffers outlive their use: the caching allocator hands their memory out again only to work queued
     # after these launches on this stream
     return (out, *natural_log_stats(max_logits, lse))
